@@ -1,0 +1,39 @@
+# kvstack: the two commands a newcomer runs are `make demo` and `make test` (see README.md).
+SHELL := /bin/bash
+.SHELLFLAGS := -euo pipefail -c
+VENV ?= .venv
+PY := $(VENV)/bin/python
+export VLLM_CPU_KVCACHE_SPACE ?= 1
+export VLLM_ENABLE_V1_MULTIPROCESSING ?= 0
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export PYTHONHASHSEED ?= 0
+
+.PHONY: help demo test env fetch apply check doctor upstream-tests matrix lint-docker clean
+
+help: ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 18
+
+demo: env ## THE MAIN JOB: fetch + verify + patch + build the CPU env, then generate with the patched engine
+	$(VENV)/bin/kvstack demo
+
+test: env ## THE TESTS: tooling tests, patch tests, engine tests and upstream's own suite (what .ci/run runs)
+	$(PY) -m pytest tests -q -p no:cacheprovider --timeout=1200
+
+env: fetch apply ## build the CPU environment ($(VENV)) with the stack applied; idempotent
+	KVSTACK_VENV=$(VENV) scripts/build_env.sh
+
+fetch: ## download (cached), verify sha256 and unpack the pinned sdists into vllm/upstream, lmcache/upstream
+	scripts/fetch_sources.sh
+
+apply: fetch ## apply the patch stack to the fetched trees (all-or-nothing, idempotent)
+	scripts/apply_patches.sh
+
+check: fetch ## report each patch's state against the fetched trees; changes nothing
+	scripts/apply_patches.sh --check
+
+doctor: ## pinned versions and every patch's state in $(VENV)
+	$(VENV)/bin/kvstack doctor
+
+clean: ## remove the venv, fetched trees and build outputs (the download cache stays)
+	rm -rf $(VENV) vllm/upstream lmcache/upstream build
