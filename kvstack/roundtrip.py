@@ -67,7 +67,7 @@ def import_series(component: str, worktree: Path, series_dir: Path | None = None
     patches = read_series(series_dir or pin.series_dir)
     if patches:
         git(worktree, "-c", "user.name=kvstack", "-c", "user.email=kvstack@localhost",
-            "am", "--quiet", "--no-3way", "--committer-date-is-author-date", *map(str, patches))
+            "am", "--quiet", "--no-3way", "--keep-non-patch", "--committer-date-is-author-date", *map(str, patches))
     return [p.name for p in patches]
 
 
