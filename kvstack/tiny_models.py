@@ -1,0 +1,395 @@
+"""Tiny random-weight models, made locally, for tests and the demo.
+
+No checkpoint can be downloaded on the machines kvstack is tested on, so the models the CPU
+engine runs are written here: a `transformers` config, random weights from a fixed seed saved with
+`save_pretrained(safe_serialization=True)`, and a byte-level BPE tokenizer trained with the
+`tokenizers` package on a short built-in text. The same call writes the same bytes.
+
+Three models, each small enough to load and generate in a few seconds on two CPU cores:
+
+- ``llama``: LlamaForCausalLM, the plain full-attention case.
+- ``llama4``: Llama4ForCausalLM text-only with iRoPE: layers 0-2 use chunked local attention
+  (chunk 32), layer 3 is a NoPE global layer; two experts.
+- ``qwen3next``: Qwen3NextForCausalLM, hybrid gated delta-net (linear attention) + full attention.
+
+`llm_kwargs(name, model_dir)` gives the vLLM ``LLM(...)`` arguments each model needs on the CPU
+engine, so tests and the demo start engines the same way.
+
+    kvstack tiny-models --out build/tiny-models [llama llama4 qwen3next]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+MODEL_NAMES = ("llama", "llama4", "qwen3next")
+DEFAULT_OUT = Path("build") / "tiny-models"
+SEED = 1234
+VOCAB_SIZE = 1024
+# Special tokens take the first ids; the model configs point at them.
+BOS, EOS, PAD = "<s>", "</s>", "<pad>"
+BOS_ID, EOS_ID, PAD_ID = 0, 1, 2
+TOKENIZER_VOCAB = 640  # trained vocabulary (bytes + merges + specials); must stay <= VOCAB_SIZE
+STAMP = ".kvstack-tiny-model.json"
+# Bump when the way a model is written changes, so cached models are rebuilt.
+GENERATOR_VERSION = 1
+
+# Environment the CPU engine needs; applied only where the user has not set a value.
+ENGINE_ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB of KV cache; without it vLLM reserves most of the RAM
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # in-process engine core: starts in seconds
+    "HF_HUB_OFFLINE": "1",  # never reach for the hub
+    "TOKENIZERS_PARALLELISM": "false",
+    # The CPU sampler wraps one function in torch.compile; compiling it (inductor, C++) costs
+    # 15-40 s per process here, more than the rest of the engine start. Eager gives the same tokens.
+    "TORCHDYNAMO_DISABLE": "1",
+}
+
+# Text the tokenizer is trained on (written for kvstack; any text with varied words would do).
+CORPUS = """\
+A language model reads a prompt one token at a time and keeps, for every layer, the keys and
+values it has already computed. That store is the KV cache. When the next token is generated the
+model only computes a new query, key and value for that token and attends over everything kept so
+far, which is why generation is fast after the first pass over the prompt.
+The cache grows with the context. A long document, a long chat or a large code base can make it
+larger than the memory of the device, and then something has to give: the cache can be paged out
+to host memory, compressed, shared between requests that start with the same words, or dropped
+for layers that only look at a local window.
+Some models mix layer kinds. A local layer attends over a fixed chunk of recent tokens, a global
+layer attends over the whole history, and a linear layer keeps a small recurrent state instead of
+keys and values. Each kind needs a different cache: blocks for attention, a state per request for
+the recurrent layers, and the engine has to page, save and restore all of them together.
+Blocks are the unit of the paged cache. A request owns a list of block ids, the scheduler gives out
+free blocks as the sequence grows, and a block whose tokens match an earlier prompt can be reused
+by hashing its contents together with the hash of the block before it.
+The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs.
+Sphinx of black quartz, judge my vow. How vexingly quick daft zebras jump!
+Numbers and symbols appear too: 0 1 2 3 4 5 6 7 8 9 10 16 32 64 128 256 512 1024 2048 4096,
+x = y + z; f(a, b) -> c; [1, 2, 3]; {"key": "value"}; a/b/c.txt; 3.14 2.71 1e-5 100%.
+Tests should be small, fast and honest: run the real engine on a real model, compare the tokens it
+makes with the tokens it made before, and fail loudly when anything differs.
+"""
+DEMO_PROMPT = "The KV cache keeps the keys and values of every layer so that"
+
+
+@dataclass(frozen=True)
+class TinyModel:
+    """How one tiny model is written and how the CPU engine must run it."""
+
+    name: str
+    architecture: str
+    config_class: str  # a class name in `transformers`
+    config: dict[str, Any]
+    engine: dict[str, Any] = field(default_factory=dict)  # extra LLM(...) kwargs
+    summary: str = ""
+
+
+_COMMON = dict(
+    vocab_size=VOCAB_SIZE,
+    bos_token_id=BOS_ID,
+    eos_token_id=EOS_ID,
+    pad_token_id=PAD_ID,
+    tie_word_embeddings=False,
+    max_position_embeddings=4096,
+)
+
+MODELS: dict[str, TinyModel] = {
+    "llama": TinyModel(
+        name="llama",
+        architecture="LlamaForCausalLM",
+        config_class="LlamaConfig",
+        config=dict(
+            _COMMON,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+        ),
+        engine=dict(block_size=16, dtype="bfloat16"),
+        summary="Llama, 2 layers, hidden 64, 4 heads / 2 KV heads, head_dim 32",
+    ),
+    "llama4": TinyModel(
+        name="llama4",
+        architecture="Llama4ForCausalLM",
+        config_class="Llama4TextConfig",
+        config=dict(
+            _COMMON,
+            hidden_size=64,
+            intermediate_size=64,  # per expert
+            intermediate_size_mlp=128,  # dense MLP (unused when every layer is MoE)
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            num_local_experts=2,
+            num_experts_per_tok=1,
+            interleave_moe_layer_step=1,
+            no_rope_layers=[1, 1, 1, 0],  # layer 3: NoPE global attention
+            attention_chunk_size=32,  # layers 0-2: chunked local attention
+            use_qk_norm=True,
+        ),
+        # vLLM's chunked local attention needs the chunk to be a multiple of the block size.
+        engine=dict(block_size=32, dtype="bfloat16"),
+        summary="Llama-4 text (iRoPE), 4 layers: 3 chunked-local (chunk 32) + 1 NoPE global, 2 experts",
+    ),
+    "qwen3next": TinyModel(
+        name="qwen3next",
+        architecture="Qwen3NextForCausalLM",
+        config_class="Qwen3NextConfig",
+        config=dict(
+            _COMMON,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=4,
+            layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=32,
+            linear_value_head_dim=32,
+            linear_conv_kernel_dim=4,
+            num_experts=2,
+            num_experts_per_tok=1,
+            moe_intermediate_size=64,
+            shared_expert_intermediate_size=64,
+            decoder_sparse_step=1,
+        ),
+        # The CPU gated delta-net kernels need bf16 activations and a float32 recurrent state.
+        engine=dict(dtype="bfloat16", mamba_ssm_cache_dtype="float32"),
+        summary="Qwen3-Next hybrid, 4 layers: 3 gated delta-net (linear attention) + 1 full attention",
+    ),
+}
+
+
+def llm_kwargs(name: str, model_dir: str | os.PathLike[str], **overrides: Any) -> dict[str, Any]:
+    """The vLLM `LLM(...)` keyword arguments that run tiny model `name` on the CPU engine."""
+    spec = _spec(name)
+    kwargs: dict[str, Any] = dict(
+        model=str(model_dir),
+        tokenizer=str(model_dir),
+        max_model_len=512,
+        max_num_seqs=8,
+        max_num_batched_tokens=512,
+        enforce_eager=True,  # no graph capture or torch.compile: starts in seconds on CPU
+        seed=0,
+    )
+    kwargs.update(spec.engine)
+    kwargs.update(overrides)
+    return kwargs
+
+
+def apply_engine_env(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """Set the CPU engine's environment variables where they are unset; return what was set."""
+    environ = os.environ if environ is None else environ
+    added = {}
+    for key, value in ENGINE_ENV.items():
+        if key not in environ:
+            environ[key] = value
+            added[key] = value
+    return added
+
+
+def _spec(name: str) -> TinyModel:
+    try:
+        return MODELS[name]
+    except KeyError:
+        raise ValueError(f"unknown tiny model {name!r}; choose one of {', '.join(MODEL_NAMES)}") from None
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def spec_digest(name: str) -> str:
+    """A digest of everything that decides the bytes of model `name`."""
+    from importlib.metadata import version
+
+    spec = _spec(name)
+    recipe = {
+        "generator": GENERATOR_VERSION,
+        "name": spec.name,
+        "architecture": spec.architecture,
+        "config_class": spec.config_class,
+        "config": spec.config,
+        "seed": SEED,
+        "corpus": hashlib.sha256(CORPUS.encode()).hexdigest(),
+        "tokenizer_vocab": TOKENIZER_VOCAB,
+        # Versions from package metadata: checking a cached model must not import torch.
+        "versions": [version(p) for p in ("transformers", "tokenizers", "torch", "safetensors")],
+    }
+    return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()
+
+
+def is_current(name: str, dest: str | os.PathLike[str]) -> bool:
+    """True when `dest` already holds exactly the model this module would write for `name`."""
+    dest = Path(dest)
+    try:
+        stamp = json.loads((dest / STAMP).read_text())
+    except (OSError, ValueError):
+        return False
+    if stamp.get("name") != name or stamp.get("spec") != spec_digest(name):
+        return False
+    files = stamp.get("files") or {}
+    on_disk = sorted(p.name for p in dest.iterdir() if p.is_file() and p.name != STAMP)
+    if sorted(files) != on_disk:
+        return False
+    return all(_sha256(dest / f) == digest for f, digest in files.items())
+
+
+def train_tokenizer(dest: Path) -> None:
+    """Train a byte-level BPE tokenizer on CORPUS and save it as a fast tokenizer in `dest`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TOKENIZER_VOCAB,
+        min_frequency=1,
+        special_tokens=[BOS, EOS, PAD],  # ids 0, 1, 2 in this order
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # every byte encodes: no unknown tokens
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS.splitlines(), trainer=trainer)
+    ids = [tok.token_to_id(t) for t in (BOS, EOS, PAD)]
+    if ids != [BOS_ID, EOS_ID, PAD_ID]:
+        raise RuntimeError(f"special token ids came out as {ids}, expected {[BOS_ID, EOS_ID, PAD_ID]}")
+    if tok.get_vocab_size() > VOCAB_SIZE:
+        raise RuntimeError(f"tokenizer vocabulary {tok.get_vocab_size()} exceeds the model's {VOCAB_SIZE}")
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, BOS_ID)]
+    )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD, model_max_length=4096
+    )
+    fast.save_pretrained(str(dest))
+
+
+def _write_model(spec: TinyModel, dest: Path) -> None:
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    config = getattr(transformers, spec.config_class)(**spec.config)
+    config.architectures = [spec.architecture]
+    # Initialise in float32 from a fixed seed (same numbers on every machine), store as bf16.
+    torch.manual_seed(SEED)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if type(model).__name__ != spec.architecture:
+        raise RuntimeError(f"{spec.name}: transformers built {type(model).__name__}, not {spec.architecture}")
+    model = model.to(torch.bfloat16)
+    model.config.dtype = torch.bfloat16
+    from transformers.utils import logging as hf_logging
+
+    bar = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # a one-shard progress bar is noise
+    try:
+        model.save_pretrained(str(dest), safe_serialization=True)
+    finally:
+        if bar:
+            hf_logging.enable_progress_bar()
+    train_tokenizer(dest)
+
+
+def make_model(name: str, dest: str | os.PathLike[str], *, force: bool = False) -> Path:
+    """Write tiny model `name` into folder `dest` and return it; keep `dest` if it already holds it.
+
+    `dest` is replaced as a whole (written beside it, then renamed), so a reader never sees half a
+    model. A non-empty `dest` that is not a tiny model written here is refused, never deleted.
+    """
+    spec = _spec(name)
+    dest = Path(dest).absolute()
+    if not force and is_current(name, dest):
+        return dest
+    if dest.exists() and any(dest.iterdir()) and not (dest / STAMP).exists():
+        raise FileExistsError(f"{dest} is not empty and holds no kvstack tiny model; not overwriting it")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
+    try:
+        _write_model(spec, tmp)
+        files = {p.name: _sha256(p) for p in sorted(tmp.iterdir()) if p.is_file()}
+        stamp = {"name": name, "spec": spec_digest(name), "files": files}
+        (tmp / STAMP).write_text(json.dumps(stamp, indent=2, sort_keys=True) + "\n")
+        tmp.chmod(0o755)  # mkdtemp makes it private; the model is meant to be shared
+        for p in tmp.iterdir():
+            p.chmod(0o644)
+        if dest.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{dest.name}.old.", dir=dest.parent))
+            with contextlib.suppress(FileNotFoundError):  # another writer may have moved it
+                os.replace(dest, old / "model")
+            shutil.rmtree(old, ignore_errors=True)
+        try:
+            os.replace(tmp, dest)
+        except OSError:
+            # Another process wrote the same model there in the meantime: keep theirs.
+            if not is_current(name, dest):
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return dest
+
+
+def make_models(out: str | os.PathLike[str], names: list[str] | tuple[str, ...] = MODEL_NAMES,
+                *, force: bool = False, report: Callable[[str], None] | None = None) -> dict[str, Path]:
+    """Write each named model into OUT/NAME; return name -> folder."""
+    written = {}
+    for name in names:
+        dest = Path(out) / name
+        kept = not force and is_current(name, dest)
+        written[name] = make_model(name, dest, force=force)
+        if report:
+            files = sorted(p for p in written[name].iterdir() if p.is_file())
+            size = sum(p.stat().st_size for p in files)
+            what = "kept (already up to date)" if kept else "wrote"
+            report(f"{name}: {what} {written[name]} ({len(files)} files, {size / 1024:.0f} KiB) "
+                   f"- {MODELS[name].summary}")
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="kvstack tiny-models",
+        description="Write the tiny random-weight test models (config, bf16 safetensors, trained BPE "
+                    "tokenizer) into OUT/NAME. Deterministic: the same call writes the same bytes; "
+                    "a folder that already holds the same model is kept.",
+    )
+    parser.add_argument("names", nargs="*", metavar="NAME", help=f"models to write (default: all of "
+                        f"{', '.join(MODEL_NAMES)})")
+    parser.add_argument("--out", default=str(DEFAULT_OUT), help="parent folder (default: %(default)s)")
+    parser.add_argument("--force", action="store_true", help="rewrite even if up to date")
+    parser.add_argument("--print-engine-args", action="store_true",
+                        help="also print the vLLM LLM(...) arguments for each model")
+    args = parser.parse_args(argv)
+    names = args.names or list(MODEL_NAMES)
+    unknown = [n for n in names if n not in MODELS]
+    if unknown:
+        parser.error(f"unknown model(s) {', '.join(unknown)}; choose from {', '.join(MODEL_NAMES)}")
+    written = make_models(args.out, names, force=args.force, report=print)
+    if args.print_engine_args:
+        for name, path in written.items():
+            print(f"{name}: LLM(**{llm_kwargs(name, path)!r})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,74 @@
+"""Fixtures for tests that run the real vLLM CPU engine of the built venv (.venv).
+
+- `tiny_model_dir(name) -> Path`: the tiny model `name` (kvstack.tiny_models), written once per
+  test session under a temporary folder.
+- `tiny_llm(name, **overrides)`: a context manager that starts a real `vllm.LLM` on that model with
+  the shared engine arguments (`kvstack.tiny_models.llm_kwargs`) and shuts it down on exit. Engine
+  start costs seconds: open one per module in a module-scoped fixture and reuse it.
+- `greedy(llm, prompts, max_tokens)`: greedy token ids per prompt (EOS ignored, so every completion
+  has exactly `max_tokens` tokens).
+
+The CPU engine's environment (kvstack.tiny_models.ENGINE_ENV) is applied at import, before vLLM is
+imported by any test, wherever the user has not set a value.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+from pathlib import Path
+from typing import Callable, Iterator
+
+import pytest
+
+from kvstack import tiny_models
+
+tiny_models.apply_engine_env()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    root = tmp_path_factory.mktemp("tiny-models")
+    made: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in made:
+            made[name] = tiny_models.make_model(name, root / name)
+        return made[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny_llm(tiny_model_dir):
+    @contextlib.contextmanager
+    def start(name: str, **overrides) -> Iterator:
+        from vllm import LLM
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+        llm = LLM(**tiny_models.llm_kwargs(name, tiny_model_dir(name), **overrides))
+        try:
+            yield llm
+        finally:
+            # Stop the in-process engine core, drop the last reference and free the KV cache
+            # (a GiB at VLLM_CPU_KVCACHE_SPACE=1) before the next engine starts.
+            with contextlib.suppress(Exception):
+                llm.llm_engine.engine_core.shutdown()
+            del llm
+            gc.collect()
+            cleanup_dist_env_and_memory()
+
+    return start
+
+
+def greedy_token_ids(llm, prompts, max_tokens: int = 16) -> list[list[int]]:
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    outputs = llm.generate(list(prompts), params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+@pytest.fixture(scope="session")
+def greedy():
+    return greedy_token_ids
