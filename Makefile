@@ -9,7 +9,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export PYTHONHASHSEED ?= 0
 
-.PHONY: help demo test env fetch apply check doctor upstream-tests matrix lint-docker clean
+.PHONY: help demo test env fetch apply check doctor matrix matrix-apply clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 18
@@ -17,8 +17,14 @@ help: ## list the targets
 demo: env ## THE MAIN JOB: fetch + verify + patch + build the CPU env, then generate with the patched engine
 	$(VENV)/bin/kvstack demo
 
-test: env ## THE TESTS: tooling tests, patch tests, engine tests and upstream's own suite (what .ci/run runs)
+test: env matrix-apply ## THE TESTS: apply matrix, tooling, patch, engine tests, upstream's suite (what .ci/run runs)
 	$(PY) -m pytest tests -q -p no:cacheprovider --timeout=1200
+
+matrix-apply: ## the cheap pass of the regression matrix: does each patch apply to each listed release?
+	python3 ci/run_matrix.py --suites apply --no-png --out build/matrix
+
+matrix: ## the whole regression matrix, published to ci/REPORT.md and ci/matrix.png
+	python3 ci/run_matrix.py --publish $(MATRIX_ARGS)
 
 env: fetch apply ## build the CPU environment ($(VENV)) with the stack applied; idempotent
 	KVSTACK_VENV=$(VENV) scripts/build_env.sh

@@ -12,6 +12,8 @@ def main(argv: list[str] | None = None) -> int:
         "doctor": ("check pinned versions and every patch's state in this environment", "kvstack.doctor"),
         "fetch": ("download, verify and unpack the pinned sdists", "kvstack.fetch"),
         "apply": ("apply the patch stack (see scripts/apply_patches.sh --help)", "kvstack.patchstack"),
+        "upstream-status": ("propose each patch's Upstream-Status / Drop-When from the regression matrix",
+                            "kvstack.upstream_status"),
         "tiny-models": ("make the tiny random-weight test models locally", "kvstack.tiny_models"),
         "demo": ("run a short generation through the patched CPU engine", "kvstack.demo"),
     }
