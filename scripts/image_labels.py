@@ -1,0 +1,125 @@
+#!/usr/bin/env python3
+"""The container image's metadata, computed from the pin files and the patch series (never typed twice).
+
+    scripts/image_labels.py [--target cuda|cpu] [--format labels|json] [--site-packages DIR]
+                            [--revision SHA] [--source URL] [--out FILE]
+
+--format labels  one KEY=VALUE line per image label (scripts/docker_build.sh passes each as --label)
+--format json    the same labels plus the patch list as a JSON object (install_image.sh writes it into
+                 the image as /opt/kvstack/share/kvstack/image.json)
+--site-packages  also record, per patch, its state in that installed site-packages ("already applied"
+                 is what a good image has), read the way `kvstack doctor` reads it
+
+Labels: org.opencontainers.image.{title,description,licenses,version,source,revision},
+kvstack.target, kvstack.pin.<component>.<key> for every KEY=VALUE of vllm/pin.env and lmcache/pin.env
+(keys lower-cased, '_' -> '-'), kvstack.patches (JSON list: component, patch, subject, upstream status),
+kvstack.patches.count, kvstack.sbom (path of the pip-inspect SBOM inside the image).
+Exit codes: 0 ok, 2 usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from kvstack.patchstack import patch_headers, read_series  # noqa: E402
+from kvstack.pins import COMPONENTS, load_pin  # noqa: E402
+
+SBOM_PATH = "/opt/kvstack/share/kvstack/sbom.pip-inspect.json"
+TARGETS = ("cuda", "cpu")
+
+
+def project_version() -> str:
+    text = (ROOT / "pyproject.toml").read_text()
+    m = re.search(r'^version\s*=\s*"([^"]+)"', text, re.M)
+    return m.group(1) if m else "unknown"
+
+
+def upstream_status(patch: Path) -> str:
+    text = patch.read_text(errors="replace")
+    body = text.split("\n\n", 1)[1].split("\n---\n", 1)[0] if "\n\n" in text else ""
+    m = re.search(r"^Upstream-Status:\s*(.+)$", body, re.M)
+    return m.group(1).strip() if m else "unknown"
+
+
+def patch_list(site_packages: Path | None = None) -> list[dict]:
+    out = []
+    for comp in COMPONENTS:
+        patches = read_series(load_pin(comp).series_dir)
+        states: dict[Path, str] = {}
+        if site_packages is not None and patches:
+            from kvstack.patchstack import plan_series
+
+            plan = plan_series(comp, patches, site_packages, installed_only=True)
+            try:
+                states = {r.patch: r.state for r in plan.results}
+            finally:
+                plan.cleanup()
+        for p in patches:
+            subject = re.sub(r"^\[PATCH[^\]]*\]\s*", "", " ".join(str(patch_headers(p)["Subject"] or "").split()))
+            entry = {"component": comp, "patch": p.name, "subject": subject, "upstream_status": upstream_status(p)}
+            if site_packages is not None:
+                entry["state"] = states.get(p, "unknown")
+            out.append(entry)
+    return out
+
+
+def labels(target: str, revision: str, source: str, patches: list[dict]) -> dict[str, str]:
+    lab = {
+        "org.opencontainers.image.title": f"kvstack ({target})",
+        "org.opencontainers.image.description": "vLLM + LMCache with the kvstack patch stack applied; entrypoint: vllm serve",
+        "org.opencontainers.image.licenses": "Apache-2.0",
+        "org.opencontainers.image.version": project_version(),
+        "org.opencontainers.image.revision": revision,
+        "org.opencontainers.image.source": source,
+        "kvstack.target": target,
+    }
+    for comp in COMPONENTS:
+        for key, value in load_pin(comp).values.items():
+            lab[f"kvstack.pin.{comp}.{key.lower().replace('_', '-')}"] = value
+    lab["kvstack.patches"] = json.dumps(
+        [{k: v for k, v in p.items() if k != "state"} for p in patches], separators=(",", ":"))
+    lab["kvstack.patches.count"] = str(len(patches))
+    lab["kvstack.sbom"] = SBOM_PATH
+    return lab
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="scripts/image_labels.py", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", choices=TARGETS, default="cuda")
+    ap.add_argument("--format", choices=("labels", "json"), default="labels")
+    ap.add_argument("--site-packages", type=Path)
+    ap.add_argument("--revision", default="unknown")
+    ap.add_argument("--source", default="")
+    ap.add_argument("--out", type=Path, help="write here instead of stdout")
+    args = ap.parse_args(argv)
+    if args.site_packages is not None and not args.site_packages.is_dir():
+        print(f"error: {args.site_packages} is not a directory", file=sys.stderr)
+        return 2
+    patches = patch_list(args.site_packages)
+    lab = labels(args.target, args.revision, args.source, patches)
+    for k, v in lab.items():
+        if "\n" in v:
+            print(f"error: label {k} has a newline", file=sys.stderr)
+            return 2
+    if args.format == "labels":
+        text = "".join(f"{k}={v}\n" for k, v in lab.items())
+    else:
+        text = json.dumps({"labels": lab, "patches": patches}, indent=2) + "\n"
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

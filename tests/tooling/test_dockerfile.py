@@ -1,0 +1,355 @@
+"""The Dockerfile's rules (no Docker engine needed):
+
+- every RUN step calls only scripts that CI exercises (scripts reached from .ci/run, through the Makefile
+  and the test suite it runs), plus the base image's package manager and `kvstack doctor`; nothing is
+  pip-installed or downloaded by hand in the Dockerfile;
+- no pin (version, wheel, checksum) is written in the Dockerfile: the install step reads the pin files,
+  which the build context carries; the default base images' Pythons have pinned wheels;
+- multi-stage, both targets, overridable base images, `kvstack doctor` last, `vllm serve` entrypoint;
+- the labels: OCI ones in the Dockerfile, pins and patches (with status) from scripts/docker_build.sh;
+- hadolint clean (ci/hadolint.sh).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvstack.patchstack import read_series
+from kvstack.pins import COMPONENTS, load_pin
+
+from conftest import REPO  # noqa: E402
+DOCKERFILE = REPO / "Dockerfile"
+SCRIPT_RE = re.compile(r"(?<![\w.-])((?:scripts|ci)/[\w.-]+\.(?:sh|py))")
+
+
+def instructions(path: Path | None = None) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) pairs, continuation lines joined, comments dropped."""
+    out, buf = [], ""
+    for raw in (path or DOCKERFILE).read_text().splitlines():
+        line = raw.strip()
+        if not buf and (not line or line.startswith("#")):
+            continue
+        if buf and line.startswith("#"):
+            continue
+        if line.endswith("\\"):
+            buf += line[:-1] + " "
+            continue
+        buf += line
+        word, _, rest = buf.partition(" ")
+        out.append((word.upper(), rest.strip()))
+        buf = ""
+    return out
+
+
+def stages() -> dict[str, list[tuple[str, str]]]:
+    """Stage name -> its instructions (FROM line first)."""
+    result: dict[str, list[tuple[str, str]]] = {}
+    current = None
+    for ins, args in instructions():
+        if ins == "FROM":
+            m = re.match(r"(\S+)\s+AS\s+(\S+)$", args, re.I)
+            assert m, f"every stage is named: FROM {args}"
+            current = m.group(2)
+            result[current] = []
+        if current is not None:
+            result[current].append((ins, args))
+    return result
+
+
+def dockerignore_patterns() -> list[tuple[bool, str]]:
+    """(is_exception, pattern) pairs of .dockerignore, in order."""
+    out = []
+    for raw in (REPO / ".dockerignore").read_text().splitlines():
+        line = raw.strip()
+        if line and not line.startswith("#"):
+            neg = line.startswith("!")
+            out.append((neg, line[1:].strip("/") if neg else line.strip("/")))
+    return out
+
+
+def _ignored(rel: str, patterns: list[tuple[bool, str]]) -> bool:
+    """Docker's rule: a path is ignored when the last pattern matching it or one of its parents excludes it."""
+    parts = rel.split("/")
+    prefixes = ["/".join(parts[: i + 1]) for i in range(len(parts))]
+    ignored = False
+    for neg, pat in patterns:
+        if pat.startswith("**/"):
+            hit = any(fnmatch.fnmatchcase(p, pat[3:]) for p in parts)
+        else:
+            hit = any(fnmatch.fnmatchcase(p, pat) and p.count("/") == pat.count("/") for p in prefixes)
+        if hit:
+            ignored = not neg
+    return ignored
+
+
+def build_context_files() -> list[str]:
+    """The files `docker build .` sends from this checkout, as .dockerignore filters them."""
+    patterns = dockerignore_patterns()
+    keep_dirs = {pat.split("/")[0] for neg, pat in patterns if neg}
+    files = []
+    for top in sorted(REPO.iterdir()):
+        if top.name not in keep_dirs and _ignored(top.name, patterns):
+            continue
+        for path in [top] if top.is_file() else sorted(top.rglob("*")):
+            rel = str(path.relative_to(REPO))
+            if path.is_file() and not _ignored(rel, patterns):
+                files.append(rel)
+    return files
+
+
+def run_command(args: str) -> str:
+    """A RUN's shell command without its --mount/--network flags."""
+    return re.sub(r"^(--\w+=\S+\s+)+", "", args)
+
+
+def script_refs(text: str) -> set[str]:
+    return set(SCRIPT_RE.findall(text))
+
+
+def _make_targets() -> dict[str, tuple[list[str], str]]:
+    """Makefile target -> (prerequisites, recipe text)."""
+    targets: dict[str, tuple[list[str], str]] = {}
+    current = None
+    for line in (REPO / "Makefile").read_text().splitlines():
+        m = re.match(r"^([A-Za-z0-9_.-]+)\s*:(?!=)\s*([^#=]*?)(\s*##.*)?$", line)
+        if m and not line.startswith("\t"):
+            current = m.group(1)
+            targets[current] = (m.group(2).split(), "")
+        elif line.startswith("\t") and current:
+            deps, recipe = targets[current]
+            targets[current] = (deps, recipe + line + "\n")
+        elif line.strip() and not line.startswith("\t"):
+            current = None
+    return targets
+
+
+def ci_exercised_scripts() -> set[str]:
+    """Scripts CI runs: named in .ci/run, in the Makefile targets it reaches, in the tests those run
+    (when a reached recipe runs pytest), and, transitively, in those scripts themselves."""
+    ci_run = REPO / ".ci" / "run"
+    assert ci_run.is_file(), ".ci/run is missing: nothing is exercised by CI"
+    text = ci_run.read_text()
+    found = script_refs(text)
+    makefile = REPO / "Makefile"
+    recipes = ""
+    if makefile.is_file():
+        targets = _make_targets()
+        todo = re.findall(r"\bmake\s+(?:-\S+\s+)*([a-z][\w-]*)", text)
+        seen: set[str] = set()
+        while todo:
+            t = todo.pop()
+            if t in seen or t not in targets:
+                continue
+            seen.add(t)
+            deps, recipe = targets[t]
+            todo += deps + re.findall(r"\$\(MAKE\)\s+([a-z][\w-]*)", recipe)
+            recipes += recipe
+        found |= script_refs(recipes)
+    if "pytest" in text + recipes:
+        names = {p.name: f"{p.parent.name}/{p.name}" for d in ("scripts", "ci") for p in (REPO / d).glob("*.[ps][yh]")}
+        for test in (REPO / "tests").rglob("*.py"):
+            body = test.read_text()
+            found |= script_refs(body)
+            found |= {rel for name, rel in names.items() if re.search(rf"['\"/]{re.escape(name)}['\"]", body)}
+    todo = list(found)
+    while todo:
+        path = REPO / todo.pop()
+        if path.is_file():
+            for ref in script_refs(path.read_text()) - found:
+                found.add(ref)
+                todo.append(ref)
+    return found
+
+
+# Commands a RUN may use besides exercised scripts: the base image's package manager and the doctor.
+ALLOWED_COMMANDS = {"apt-get", "rm", "bash", "kvstack"}
+
+
+def _commands(cmd: str) -> list[list[str]]:
+    out = []
+    for part in re.split(r"&&|\|\||;|\|", cmd):
+        words = shlex.split(part)
+        while words and re.match(r"^[A-Z_][A-Z0-9_]*=", words[0]):  # VAR=value prefixes
+            words = words[1:]
+        if words:
+            out.append(words)
+    return out
+
+
+def test_every_run_step_calls_only_scripts_ci_exercises():
+    exercised = ci_exercised_scripts()
+    runs = [run_command(args) for ins, args in instructions() if ins == "RUN"]
+    assert runs
+    called = set()
+    for cmd in runs:
+        for words in _commands(cmd):
+            assert words[0] in ALLOWED_COMMANDS, f"RUN uses {words[0]!r}; put install logic in a CI-run script: {cmd}"
+            if words[0] == "bash":
+                assert len(words) >= 2 and SCRIPT_RE.search(words[1]), f"bash must run a repo script: {cmd}"
+            if words[0] == "kvstack":
+                assert words[1:] == ["doctor"], cmd
+            if words[0] == "rm":
+                assert words[1:] == ["-rf", "/var/lib/apt/lists/*"], cmd
+        refs = script_refs(cmd)
+        called |= refs
+        assert refs <= exercised, f"RUN calls {sorted(refs - exercised)}, which CI never runs: {cmd}"
+    assert "scripts/install_image.sh" in called, "the install step is scripts/install_image.sh"
+
+
+def test_no_pin_is_written_in_the_dockerfile_and_the_context_carries_the_pin_files():
+    text = DOCKERFILE.read_text()
+    for comp in COMPONENTS:
+        for key, value in load_pin(comp).values.items():
+            if key == "PROJECT" or key.endswith("_PROJECT"):
+                continue  # a project name, not a pin
+            assert value not in text, f"{comp}/pin.env {key}={value} is duplicated in the Dockerfile"
+    # ARGs are the target, the base images and the label values: none names a pinned component.
+    for ins, args in instructions():
+        if ins == "ARG":
+            name = args.split("=", 1)[0]
+            assert re.fullmatch(r"TARGET|(CUDA|CPU)_BASE_IMAGE|KVSTACK_(REVISION|VERSION|SOURCE)", name), name
+    install = (REPO / "scripts" / "install_image.sh").read_text()
+    assert "pin.env" in install
+    ignore = [ln.strip() for ln in (REPO / ".dockerignore").read_text().splitlines()
+              if ln.strip() and not ln.startswith("#")]
+    assert ignore[0] == "*", ".dockerignore is an allow-list"
+    allowed = {ln[1:].rstrip("/") for ln in ignore if ln.startswith("!")}
+    for needed in ("vllm/pin.env", "lmcache/pin.env", "patches", "scripts", "kvstack", "pyproject.toml"):
+        assert needed in allowed, f"the build context must carry {needed}"
+    for never in ("tests", ".venv", "build", "vllm/upstream", "lmcache/upstream", ".git", "bench"):
+        assert not any(a == never or a.startswith(never + "/") for a in allowed), never
+    context = build_context_files()
+    for needed in ("vllm/pin.env", "lmcache/pin.env", "scripts/install_image.sh", "scripts/build_env.sh",
+                   "kvstack/doctor.py", "pyproject.toml"):
+        assert needed in context, needed
+    for comp in COMPONENTS:
+        for patch in read_series(load_pin(comp).series_dir):
+            assert str(patch.relative_to(REPO)) in context
+    leaked = [f for f in context if f.startswith(("tests/", ".venv/", "build/", ".git/")) or "/upstream/" in f
+              or "__pycache__" in f]
+    assert not leaked, leaked[:10]
+
+
+def _default_args() -> dict[str, str]:
+    return {m.group(1): m.group(2) for ins, args in instructions() if ins == "ARG"
+            for m in [re.match(r"(\w+)=(\S+)", args)] if m}
+
+
+def test_stages_targets_bases_doctor_last_and_entrypoint():
+    st = stages()
+    assert {"runtime-cuda", "runtime-cpu", "runtime", "build", "final"} <= set(st)
+    assert list(st)[-1] == "final", "the last stage is the image"
+    defaults = _default_args()
+    assert defaults["TARGET"] == "cuda"
+    assert st["runtime-cuda"][0][1].startswith("${CUDA_BASE_IMAGE} ")
+    assert st["runtime-cpu"][0][1].startswith("${CPU_BASE_IMAGE} ")
+    assert st["runtime"][0][1].startswith("runtime-${TARGET} ")
+    assert st["build"][0][1].startswith("runtime ") and st["final"][0][1].startswith("runtime ")
+    build_runs = [a for i, a in st["build"] if i == "RUN"]
+    assert len(build_runs) == 1 and "--mount=type=cache" in build_runs[0] and "target=/root/.cache" in build_runs[0]
+    final = st["final"]
+    copies = [a for i, a in final if i in ("COPY", "ADD")]
+    assert copies and all(a.startswith("--from=build ") for a in copies), "the final stage takes only the install"
+    runs = [a for i, a in final if i == "RUN"]
+    assert runs[-1] == "kvstack doctor", "kvstack doctor is the last build step"
+    entry = [a for i, a in final if i == "ENTRYPOINT"]
+    assert entry and json.loads(entry[-1]) == ["vllm", "serve"]
+    # Build tools the run time does not need never enter a run-time stage.
+    for name in ("runtime-cuda", "runtime-cpu", "runtime", "final"):
+        text = " ".join(a for _, a in st[name])
+        for tool in ("build-essential", "cmake", "ninja-build", "curl", "wget", "cuda-nvcc", "-devel-"):
+            assert tool not in text, f"{tool} in stage {name}"
+
+
+def _python_tag(stage: list[tuple[str, str]], base: str) -> str:
+    env = " ".join(a for i, a in stage if i == "ENV")
+    m = re.search(r"KVSTACK_PYTHON=\S*python(\d)\.(\d+)", env) or re.search(r"python:(\d)\.(\d+)", base)
+    assert m, f"cannot tell the Python version of {base}"
+    return f"CP{m.group(1)}{m.group(2)}"
+
+
+@pytest.mark.parametrize("target", ["cuda", "cpu"])
+def test_default_base_python_has_every_wheel_pinned(target):
+    st, defaults = stages(), _default_args()
+    base = defaults[f"{target.upper()}_BASE_IMAGE"]
+    tag = _python_tag(st[f"runtime-{target}"], base)
+    res = subprocess.run(["bash", str(REPO / "scripts" / "install_image.sh"), "--target", target, "--dry-run",
+                          "--py-tag", tag], capture_output=True, text=True)
+    assert res.returncode == 0, f"{target} on {base} ({tag}): {res.stderr}"
+    wheels = re.findall(r"^wheel (\S+) sha256=([0-9a-f]{64})$", res.stdout, re.M)
+    assert len(wheels) == 3, res.stdout
+    pinned = {v for c in COMPONENTS for v in load_pin(c).values.values()}
+    for name, sha in wheels:
+        assert name in pinned and sha in pinned, (name, sha)
+
+
+def test_labels_in_dockerfile():
+    labels = " ".join(a for i, a in stages()["final"] if i == "LABEL")
+    for key in ("source", "revision", "version", "title", "licenses"):
+        assert f"org.opencontainers.image.{key}=" in labels, key
+
+
+def _build_command(*args: str) -> list[str]:
+    env = {k: v for k, v in os.environ.items() if k != "DOCKER"}
+    env["PYTHON"] = sys.executable
+    res = subprocess.run(["bash", str(REPO / "scripts" / "docker_build.sh"), "--print", *args],
+                         capture_output=True, text=True, env=env)
+    assert res.returncode == 0, res.stderr
+    return shlex.split(res.stdout)
+
+
+@pytest.mark.parametrize("target", ["cuda", "cpu"])
+def test_docker_build_labels_carry_every_pin_and_the_patch_list(target):
+    cmd = _build_command("--target", target, "--base", "example/base@sha256:" + "0" * 64)
+    assert cmd[:2] == ["docker", "build"] and cmd[-1] == str(REPO)
+    labels = dict(cmd[i + 1].split("=", 1) for i, w in enumerate(cmd) if w == "--label")
+    build_args = dict(cmd[i + 1].split("=", 1) for i, w in enumerate(cmd) if w == "--build-arg")
+    assert build_args["TARGET"] == target and labels["kvstack.target"] == target
+    assert build_args[f"{target.upper()}_BASE_IMAGE"].endswith("0" * 64)
+    assert labels["org.opencontainers.image.base.name"].startswith("example/base@sha256:")
+    for comp in COMPONENTS:
+        for key, value in load_pin(comp).values.items():
+            assert labels[f"kvstack.pin.{comp}.{key.lower().replace('_', '-')}"] == value
+    patches = json.loads(labels["kvstack.patches"])
+    want = [(c, p.name) for c in COMPONENTS for p in read_series(load_pin(c).series_dir)]
+    assert [(p["component"], p["patch"]) for p in patches] == want
+    assert all(p["upstream_status"] != "unknown" for p in patches)
+    assert labels["kvstack.patches.count"] == str(len(want))
+    head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True)
+    if head.returncode == 0:
+        assert labels["org.opencontainers.image.revision"].startswith(head.stdout.strip())
+        assert build_args["KVSTACK_REVISION"] == labels["org.opencontainers.image.revision"]
+
+
+def test_patch_label_reports_upstream_status(tmp_path, monkeypatch):
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        import image_labels
+    finally:
+        sys.path.pop(0)
+    patch = tmp_path / "0001-demo.patch"
+    patch.write_text("From 0000000000000000000000000000000000000000 Mon Sep 17 00:00:00 2001\n"
+                     "From: t <t@localhost>\nDate: Sat, 1 Jan 2000 00:00:00 +0000\n"
+                     "Subject: [PATCH 1/2] demo: a change\n\nWhy.\n\n"
+                     "Upstream-Status: Submitted [vllm-project/vllm#42620]\nDrop-When: never\n---\n"
+                     "diff --git a/vllm/x.py b/vllm/x.py\n")
+    monkeypatch.setattr(image_labels, "read_series", lambda d: [patch] if d.name == "vllm" else [])
+    lab = image_labels.labels("cuda", "abc", "src", image_labels.patch_list())
+    assert json.loads(lab["kvstack.patches"]) == [
+        {"component": "vllm", "patch": "0001-demo.patch", "subject": "demo: a change",
+         "upstream_status": "Submitted [vllm-project/vllm#42620]"}]
+    assert lab["kvstack.patches.count"] == "1"
+
+
+def test_hadolint_clean():
+    res = subprocess.run(["bash", str(REPO / "ci" / "hadolint.sh")], capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout + res.stderr
