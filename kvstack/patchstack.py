@@ -256,11 +256,6 @@ def base_version(version: str | None) -> str | None:
     return m.group(0) if m else version
 
 
-def detect_component(target: Path) -> str | None:
-    found = [c for c in COMPONENTS if (target / PACKAGE[c] / "__init__.py").is_file()]
-    return found[0] if len(found) == 1 else None
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="scripts/apply_patches.sh",
