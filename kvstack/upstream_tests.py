@@ -1,0 +1,504 @@
+"""Upstream's own tests as a regression suite for the patched CPU environment.
+
+Runs tests of the pinned vLLM sdist (by default ``tests/v1/core/test_kv_cache_utils.py`` and
+``tests/v1/kv_connector/unit/``) against the *installed, patched* vLLM of a venv, then compares
+the outcome with the committed ledger ``ci/upstream/expected-failures.txt``:
+
+* a failing test (or a file that fails to collect) that the ledger does not name is a NEW FAILURE;
+* a ledger entry that matched no failure in this run is STALE (it now passes, is skipped or is gone);
+* anything else passes.
+
+How it stays honest:
+
+* The sdist's ``tests/`` is copied to ``build/upstream-tests/tests`` (fresh every run), away from the
+  sdist's ``vllm/`` package, and pytest runs there with ``PYTHONPATH`` cleared, so ``import vllm`` is
+  the venv's patched package. The run records ``vllm.__file__`` and refuses a result that imported
+  vLLM from anywhere but that venv.
+* Hub stand-in: ``HF_HOME`` points at ``build/upstream-tests/hf_home`` holding only the ``config.json``
+  files committed under ``ci/upstream/hub/ORG/NAME/config.json``, laid out as the hub cache
+  (``hub/models--ORG--NAME/refs/main`` + ``snapshots/<sha>/config.json``); ``HF_HUB_OFFLINE=1`` and an
+  unreachable ``HF_ENDPOINT`` make any download attempt fail instead of reaching a hub.
+* Outcomes are recorded by exact pytest node id (this module is also the pytest plugin, loaded with
+  ``-p kvstack.upstream_tests``); a junit xml report is written next to them for CI.
+
+Ledger format (one entry per line, ``#`` starts the reason)::
+
+    tests/v1/kv_connector/unit/test_x.py::test_y[param]   # needs CUDA: torch.cuda.Stream
+    tests/v1/kv_connector/unit/test_ray_thing.py          # collection error: needs ray
+    tests/v1/kv_connector/unit/test_z.py::*               # '*' is the only wildcard
+
+Exit status: 0 no new failures and no stale entries, 1 otherwise, 2 when the run itself could not
+be done (no venv, pytest crashed, nothing collected, vLLM imported from the wrong place).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+LEDGER = REPO_ROOT / "ci" / "upstream" / "expected-failures.txt"
+HUB_SOURCE = REPO_ROOT / "ci" / "upstream" / "hub"
+WORK_DIR = REPO_ROOT / "build" / "upstream-tests"
+DEFAULT_PATHS = (
+    "tests/v1/core/test_kv_cache_utils.py",
+    "tests/v1/kv_connector/unit",
+)
+QUICK_PATHS = ("tests/v1/core/test_kv_cache_utils.py",)
+DEFAULT_TIMEOUT = 300  # seconds per test (pytest-timeout)
+DEFAULT_TOTAL_TIMEOUT = 1500  # seconds for the whole pytest run: CI's budget is 30 minutes
+RESULTS_ENV = "KVSTACK_UPSTREAM_RESULTS"
+INHERIT_NOT = ("VLLM_", "HF_", "HUGGING", "TRANSFORMERS_", "TOKENIZERS_", "TORCHDYNAMO_",
+               "TORCHINDUCTOR_", "TORCH_COMPILE", "LMCACHE_", "PYTEST_", "CUDA_VISIBLE_DEVICES")
+
+PASSED, FAILED, SKIPPED, XFAILED = "passed", "failed", "skipped", "xfailed"
+
+
+# --------------------------------------------------------------------------------------------
+# The pytest plugin half: loaded inside the test run with `-p kvstack.upstream_tests`.
+# It writes one JSON line per node id with its final outcome, plus a last line naming where
+# vllm was imported from. Nothing here runs unless RESULTS_ENV is set.
+# --------------------------------------------------------------------------------------------
+
+_plugin_outcomes: dict[str, dict] = {}
+
+
+def _plugin_record(nodeid: str, outcome: str, phase: str, message: str) -> None:
+    prev = _plugin_outcomes.get(nodeid)
+    rank = {PASSED: 0, SKIPPED: 1, XFAILED: 1, FAILED: 2}
+    if prev is None or rank[outcome] > rank[prev["outcome"]]:
+        _plugin_outcomes[nodeid] = {"nodeid": nodeid, "outcome": outcome, "phase": phase,
+                                    "message": message}
+
+
+def _short_message(report) -> str:
+    crash = getattr(report.longrepr, "reprcrash", None)
+    if crash is not None:
+        return " ".join((crash.message or "").split())[:300]
+    if isinstance(report.longrepr, tuple) and len(report.longrepr) == 3:  # a skip: (file, line, why)
+        return str(report.longrepr[2])[:300]
+    text = str(report.longrepr or "")
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    for ln in reversed(lines):  # collection errors: the last "E   ..." line says why
+        if ln.startswith("E "):
+            return ln[1:].strip()[:300]
+    return (lines[-1] if lines else "")[:300]
+
+
+def pytest_runtest_logreport(report) -> None:
+    if not os.environ.get(RESULTS_ENV):
+        return
+    if report.passed:
+        if report.when == "call":  # a non-strict xpass counts as passed
+            _plugin_record(report.nodeid, PASSED, report.when, "")
+    elif report.skipped:
+        outcome = XFAILED if hasattr(report, "wasxfail") else SKIPPED
+        _plugin_record(report.nodeid, outcome, report.when, _short_message(report))
+    elif report.failed:
+        _plugin_record(report.nodeid, FAILED, report.when, _short_message(report))
+
+
+def pytest_collectreport(report) -> None:
+    if not os.environ.get(RESULTS_ENV):
+        return
+    if report.failed:
+        _plugin_record(report.nodeid, FAILED, "collect", _short_message(report))
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    path = os.environ.get(RESULTS_ENV)
+    if not path:
+        return
+    vllm = sys.modules.get("vllm")
+    with open(path, "w") as f:
+        for rec in _plugin_outcomes.values():
+            f.write(json.dumps(rec) + "\n")
+        f.write(json.dumps({"meta": True, "exitstatus": int(exitstatus),
+                            "vllm_file": getattr(vllm, "__file__", None),
+                            "python": sys.executable}) + "\n")
+
+
+# --------------------------------------------------------------------------------------------
+# The runner half.
+# --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class LedgerEntry:
+    pattern: str
+    reason: str
+    lineno: int
+
+    def matches(self, nodeid: str) -> bool:
+        if "*" not in self.pattern:
+            return nodeid == self.pattern
+        regex = ".*".join(re.escape(part) for part in self.pattern.split("*"))
+        return re.fullmatch(regex, nodeid) is not None
+
+    @property
+    def file(self) -> str:
+        return self.pattern.split("::", 1)[0]
+
+
+def read_ledger(path: Path = LEDGER) -> list[LedgerEntry]:
+    entries: list[LedgerEntry] = []
+    seen: set[str] = set()
+    for lineno, raw in enumerate(path.read_text().splitlines(), 1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        pattern, sep, reason = line.partition(" #")
+        pattern, reason = pattern.strip(), reason.strip()
+        if not sep or not reason:
+            raise ValueError(f"{path}:{lineno}: every entry needs a '# reason': {raw!r}")
+        if not pattern.startswith("tests/") or " " in pattern:
+            raise ValueError(f"{path}:{lineno}: expected a node id under tests/, got {pattern!r}")
+        if pattern in seen:
+            raise ValueError(f"{path}:{lineno}: duplicate entry {pattern!r}")
+        seen.add(pattern)
+        entries.append(LedgerEntry(pattern, reason, lineno))
+    return entries
+
+
+def _under(path: str, selection: list[str]) -> bool:
+    """Is the test file `path` inside one of the selected paths (files or directories)?"""
+    for sel in selection:
+        sel = sel.rstrip("/")
+        if path == sel or path.startswith(sel + "/"):
+            return True
+    return False
+
+
+@dataclass
+class Summary:
+    selection: list[str]
+    filtered: bool
+    counts: dict[str, int] = field(default_factory=dict)
+    expected: list[tuple[str, LedgerEntry]] = field(default_factory=list)
+    new_failures: list[dict] = field(default_factory=list)
+    stale: list[tuple[LedgerEntry, str]] = field(default_factory=list)
+    wall_s: float = 0.0
+    junit: str = ""
+    log: str = ""
+    vllm_file: str = ""
+    pytest_exit: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.new_failures and not self.stale
+
+    def text(self) -> str:
+        c = self.counts
+        lines = [
+            f"upstream tests: {', '.join(self.selection)}" + (" (filtered)" if self.filtered else ""),
+            f"  {c.get(PASSED, 0)} passed, {len(self.expected)} expected failures, "
+            f"{c.get(SKIPPED, 0)} skipped, "
+            + (f"{c[XFAILED]} xfailed (upstream's marks), " if c.get(XFAILED) else "")
+            + f"{len(self.new_failures)} new failures, {len(self.stale)} stale ledger entries "
+            f"in {self.wall_s:.0f} s",
+        ]
+        for rec in self.new_failures:
+            lines.append(f"  NEW FAILURE {rec['nodeid']} ({rec['phase']}): {rec['message']}")
+        for entry, why in self.stale:
+            lines.append(f"  STALE {entry.pattern} (ledger line {entry.lineno}): {why}")
+        lines.append(f"  vllm imported from {self.vllm_file}")
+        lines.append(f"  junit: {self.junit}  log: {self.log}")
+        lines.append("upstream tests: " + ("OK" if self.ok else "FAIL"))
+        return "\n".join(lines)
+
+    def to_json(self) -> dict:
+        return {
+            "ok": self.ok, "selection": self.selection, "filtered": self.filtered,
+            "counts": self.counts, "expected_failures": len(self.expected),
+            "new_failures": self.new_failures,
+            "stale": [{"entry": e.pattern, "line": e.lineno, "why": w} for e, w in self.stale],
+            "wall_s": round(self.wall_s, 1), "vllm_file": self.vllm_file,
+            "pytest_exit": self.pytest_exit,
+        }
+
+
+def compare(results: list[dict], ledger: list[LedgerEntry], selection: list[str],
+            filtered: bool) -> tuple[list[tuple[str, LedgerEntry]], list[dict], list[tuple[LedgerEntry, str]]]:
+    """Split failures into expected and new; find ledger entries that matched no failure.
+
+    An entry whose file lies outside the selection is out of scope. With a filter (-k or extra
+    pytest args) an entry that matched nothing that ran is out of scope too; in a full run it is
+    stale ("not collected": the test is gone or renamed).
+    """
+    expected: list[tuple[str, LedgerEntry]] = []
+    new: list[dict] = []
+    used: set[LedgerEntry] = set()
+    for rec in results:
+        if rec["outcome"] != FAILED:
+            continue
+        entry = next((e for e in ledger if e.matches(rec["nodeid"])), None)
+        if entry is None:
+            new.append(rec)
+        else:
+            expected.append((rec["nodeid"], entry))
+            used.add(entry)
+    stale: list[tuple[LedgerEntry, str]] = []
+    for entry in ledger:
+        if entry in used or not _under(entry.file, selection):
+            continue
+        ran = [r for r in results if entry.matches(r["nodeid"])]
+        if ran:
+            outcomes = sorted({r["outcome"] for r in ran})
+            stale.append((entry, "now " + "/".join(outcomes)))
+        elif not filtered:
+            stale.append((entry, "not collected (gone or renamed?)"))
+    return expected, new, stale
+
+
+def stage_tests(work: Path, source_tests: Path | None = None) -> Path:
+    """Copy the sdist's tests/ to work/tests (fresh) and write a pytest.ini; returns work."""
+    from kvstack.pins import load_pin
+
+    src = source_tests or (load_pin("vllm").tree / "tests")
+    if not (src / "conftest.py").is_file():
+        raise FileNotFoundError(f"{src} is not the vLLM sdist's tests/ (run scripts/fetch_sources.sh)")
+    work.mkdir(parents=True, exist_ok=True)
+    for name in ("vllm", "setup.py", "pyproject.toml"):
+        if (work / name).exists():
+            raise RuntimeError(f"{work / name} exists: it could shadow the installed vllm")
+    dest = work / "tests"
+    if dest.exists():
+        shutil.rmtree(dest)
+    shutil.copytree(src, dest, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    # The sdist keeps its markers in pyproject.toml, which we do not copy (it would make the
+    # sdist root the rootdir). Carry them over into a pytest.ini of our own.
+    markers: list[str] = []
+    pyproject = src.parent / "pyproject.toml"
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10: unknown markers only warn
+        tomllib = None
+    if pyproject.is_file() and tomllib is not None:
+        ini = tomllib.loads(pyproject.read_text()).get("tool", {}).get("pytest", {}).get("ini_options", {})
+        markers = list(ini.get("markers", []))
+    text = "[pytest]\n# written by kvstack.upstream_tests; markers copied from the sdist's pyproject.toml\n"
+    if markers:
+        text += "markers =\n" + "".join(f"    {m}\n" for m in markers)
+    (work / "pytest.ini").write_text(text)
+    return work
+
+
+def stage_hub(hf_home: Path, source: Path = HUB_SOURCE) -> list[str]:
+    """Lay the committed config.json files out as a hub cache under hf_home; returns model ids."""
+    import hashlib
+
+    hub = hf_home / "hub"
+    if hf_home.exists():
+        shutil.rmtree(hf_home)
+    hub.mkdir(parents=True)
+    models = []
+    for cfg in sorted(source.glob("*/*/config.json")):
+        org, name = cfg.parent.parent.name, cfg.parent.name
+        data = cfg.read_bytes()
+        json.loads(data)  # refuse a broken file here rather than inside a test
+        sha = hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()  # a git blob id: stable
+        repo = hub / f"models--{org}--{name}"
+        (repo / "refs").mkdir(parents=True)
+        (repo / "refs" / "main").write_text(sha)
+        snap = repo / "snapshots" / sha
+        snap.mkdir(parents=True)
+        shutil.copyfile(cfg, snap / "config.json")
+        models.append(f"{org}/{name}")
+    return models
+
+
+def default_python() -> Path:
+    venv = os.environ.get("KVSTACK_VENV") or str(REPO_ROOT / ".venv")
+    return Path(venv) / "bin" / "python"
+
+
+def child_env(work: Path, results: Path) -> dict[str, str]:
+    # The same environment whoever calls: drop what the caller set for vLLM, the hub, torch's
+    # compiler, pytest and the import path (e.g. `make test` disables dynamo for the tiny engines;
+    # upstream's tests run with it), then set ours.
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(INHERIT_NOT) and k not in ("PYTHONPATH", "PYTHONHOME")}
+    # kvstack itself (for `-p kvstack.upstream_tests`), without putting the repo root on the path
+    # (its vllm/ directory must never look like a package to the test run).
+    shim = work / "pypath"
+    shim.mkdir(parents=True, exist_ok=True)
+    link = shim / "kvstack"
+    if not link.is_symlink() or link.resolve() != (REPO_ROOT / "kvstack").resolve():
+        if link.is_symlink() or link.exists():
+            link.unlink()
+        link.symlink_to(REPO_ROOT / "kvstack", target_is_directory=True)
+    env.update({
+        "PYTHONPATH": str(shim),
+        "HF_HOME": str(work / "hf_home"),
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "HF_HUB_DISABLE_TELEMETRY": "1",
+        "HF_ENDPOINT": "http://127.0.0.1:9",  # discard port: a download attempt fails fast
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+        "PYTHONUNBUFFERED": "1",  # the log follows the run
+        RESULTS_ENV: str(results),
+    })
+    env["VLLM_CPU_KVCACHE_SPACE"] = "2"  # GiB; else an engine would reserve most of the RAM
+    return env
+
+
+def read_results(path: Path) -> tuple[list[dict], dict]:
+    results, meta = [], {}
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            rec = json.loads(line)
+            if rec.get("meta"):
+                meta = rec
+            else:
+                results.append(rec)
+    return results, meta
+
+
+def run_suite(paths: list[str] | None = None, *, python: str | Path | None = None,
+              keyword: str | None = None, timeout: int = DEFAULT_TIMEOUT,
+              ledger_path: Path = LEDGER, work: Path = WORK_DIR, extra: list[str] | None = None,
+              stream: bool = False, total_timeout: int = DEFAULT_TOTAL_TIMEOUT,
+              out=None) -> Summary:
+    """Stage, run and compare; returns the Summary (raises RuntimeError when no result came)."""
+    out = out or sys.stdout
+    paths = [p.rstrip("/") for p in (paths or DEFAULT_PATHS)]
+    python = Path(python or default_python())
+    if not python.exists():
+        raise RuntimeError(f"{python} not found: build the environment with scripts/build_env.sh")
+    ledger = read_ledger(ledger_path)
+    stage_tests(work)
+    missing = [p for p in paths if not (work / p).exists()]
+    if missing:
+        raise RuntimeError(f"not in the sdist's tests: {', '.join(missing)}")
+    models = stage_hub(work / "hf_home")
+    results_path, junit, log = work / "results.jsonl", work / "junit.xml", work / "pytest.log"
+    for p in (results_path, junit):
+        p.unlink(missing_ok=True)
+    cmd = [str(python), "-m", "pytest", "-p", "no:cacheprovider", "-p", "kvstack.upstream_tests",
+           f"--junitxml={junit}", f"--timeout={timeout}", f"--basetemp={work / 'tmp'}",
+           "--continue-on-collection-errors", "-q", "-rN", "--color=no", *paths]
+    if keyword:
+        cmd += ["-k", keyword]
+    cmd += list(extra or [])
+    print(f"[upstream-tests] hub stand-in: {', '.join(models)}", file=out)
+    print(f"[upstream-tests] {' '.join(cmd)}  (in {work}; output in {log})", file=out, flush=True)
+    start = time.monotonic()
+    with open(log, "w", buffering=1) as logf:  # line-buffered: the log follows the run
+        proc = subprocess.Popen(cmd, cwd=work, env=child_env(work, results_path),
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        watchdog = threading.Timer(total_timeout, proc.kill)
+        watchdog.start()
+        try:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                logf.write(line)
+                if stream:
+                    out.write(line)
+                    out.flush()
+            rc = proc.wait()
+        finally:
+            watchdog.cancel()
+    wall = time.monotonic() - start
+    if rc < 0 and wall >= total_timeout:
+        raise RuntimeError(f"pytest ran past --total-timeout {total_timeout} s and was killed (see {log})")
+    results, meta = read_results(results_path)
+    if not meta:
+        tail = "".join(log.read_text().splitlines(keepends=True)[-30:])
+        raise RuntimeError(f"pytest exited {rc} without a result (see {log}):\n{tail}")
+    vllm_file = meta.get("vllm_file") or ""
+    site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    if not vllm_file or not Path(vllm_file).resolve().is_relative_to(Path(site).resolve()):
+        raise RuntimeError(f"the tests imported vllm from {vllm_file!r}, not from {site}")
+    if rc not in (0, 1) or not results:
+        tail = "".join(log.read_text().splitlines(keepends=True)[-30:])
+        raise RuntimeError(f"pytest exited {rc} with {len(results)} results (see {log}):\n{tail}")
+    summary = summarize(results, ledger, paths, bool(keyword or extra), wall=wall, work=work,
+                        vllm_file=vllm_file, pytest_exit=rc)
+    (work / "summary.json").write_text(json.dumps(summary.to_json(), indent=1) + "\n")
+    return summary
+
+
+def summarize(results: list[dict], ledger: list[LedgerEntry], paths: list[str], filtered: bool, *,
+              wall: float, work: Path, vllm_file: str, pytest_exit: int) -> Summary:
+    expected, new, stale = compare(results, ledger, paths, filtered)
+    counts: dict[str, int] = {}
+    for rec in results:
+        counts[rec["outcome"]] = counts.get(rec["outcome"], 0) + 1
+    return Summary(selection=paths, filtered=filtered, counts=counts, expected=expected,
+                   new_failures=new, stale=stale, wall_s=wall, junit=str(work / "junit.xml"),
+                   log=str(work / "pytest.log"), vllm_file=vllm_file, pytest_exit=pytest_exit)
+
+
+def recompare(ledger_path: Path = LEDGER, work: Path = WORK_DIR) -> Summary:
+    """Compare the last run's results (work/results.jsonl) with the ledger again, without running."""
+    prev_path = work / "summary.json"
+    results, meta = read_results(work / "results.jsonl")
+    if not results or not prev_path.is_file():
+        raise RuntimeError(f"no previous run in {work}: run the suite first")
+    prev = json.loads(prev_path.read_text())
+    return summarize(results, read_ledger(ledger_path), prev["selection"], prev["filtered"],
+                     wall=prev["wall_s"], work=work, vllm_file=meta.get("vllm_file") or "",
+                     pytest_exit=prev["pytest_exit"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="run_upstream_tests.sh",
+        description="Run the pinned vLLM sdist's own tests against the patched CPU venv and compare "
+                    "with the ledger ci/upstream/expected-failures.txt.",
+        epilog="Exit status: 0 OK; 1 new failures or stale ledger entries; 2 the run could not be "
+               "done. Artifacts: build/upstream-tests/{junit.xml,pytest.log,results.jsonl,summary.json}.")
+    parser.add_argument("paths", nargs="*",
+                        help="test files/directories relative to the sdist root "
+                             f"(default: {' '.join(DEFAULT_PATHS)})")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"run only {' '.join(QUICK_PATHS)} (about a minute)")
+    parser.add_argument("-k", dest="keyword", help="pytest -k expression (ledger entries that "
+                        "match nothing that ran are then not reported stale)")
+    parser.add_argument("--timeout", type=int, default=DEFAULT_TIMEOUT,
+                        help="per-test timeout in seconds (default %(default)s)")
+    parser.add_argument("--python", help="the venv's python (default $KVSTACK_VENV/bin/python or .venv)")
+    parser.add_argument("--ledger", type=Path, default=LEDGER,
+                        help="the ledger (default ci/upstream/expected-failures.txt)")
+    parser.add_argument("--total-timeout", type=int, default=DEFAULT_TOTAL_TIMEOUT,
+                        help="kill the pytest run after this many seconds (default %(default)s)")
+    parser.add_argument("--compare-only", action="store_true",
+                        help="do not run: compare the last run's results with the ledger again "
+                             "(after editing the ledger)")
+    parser.add_argument("--stream", action="store_true", help="echo pytest's output while it runs")
+    parser.add_argument("--pytest-arg", action="append", default=[], metavar="ARG",
+                        help="extra pytest argument (repeatable; counts as a filtered run)")
+    args = parser.parse_args(argv)
+    if args.quick and args.paths:
+        parser.error("--quick and explicit paths exclude each other")
+    if args.compare_only and (args.quick or args.paths or args.keyword or args.pytest_arg):
+        parser.error("--compare-only takes no selection: it reuses the last run's")
+    paths = list(QUICK_PATHS) if args.quick else args.paths or None
+    try:
+        if args.compare_only:
+            summary = recompare(args.ledger)
+        else:
+            summary = run_suite(paths, python=args.python, keyword=args.keyword,
+                                timeout=args.timeout, ledger_path=args.ledger,
+                                extra=args.pytest_arg, stream=args.stream,
+                                total_timeout=args.total_timeout)
+    except (RuntimeError, FileNotFoundError, ValueError) as exc:
+        print(f"[upstream-tests] error: {exc}", file=sys.stderr)
+        return 2
+    print(summary.text())
+    return 0 if summary.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

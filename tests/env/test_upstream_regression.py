@@ -1,0 +1,101 @@
+"""vLLM's own tests (pinned sdist) against the patched CPU environment: no new failures and no
+stale entries in the ledger ci/upstream/expected-failures.txt.
+
+The slow test runs tests/v1/core/test_kv_cache_utils.py and tests/v1/kv_connector/unit/ through
+kvstack.upstream_tests (5-6 minutes on 2 idle cores). The fast tests check the ledger and the
+comparison rules the slow one relies on.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from kvstack.pins import load_pin
+from kvstack.upstream_tests import (
+    DEFAULT_PATHS,
+    FAILED,
+    HUB_SOURCE,
+    PASSED,
+    SKIPPED,
+    LedgerEntry,
+    compare,
+    read_ledger,
+    run_suite,
+    stage_hub,
+)
+
+pytestmark = pytest.mark.env
+
+SDIST_TESTS = load_pin("vllm").tree / "tests"
+
+
+def test_ledger_entries_name_real_tests_with_reasons():
+    entries = read_ledger()
+    assert entries, "the ledger is empty"
+    for e in entries:
+        assert len(e.reason) > 15, f"line {e.lineno}: reason too thin: {e.reason!r}"
+        assert any(e.file == p or e.file.startswith(p + "/") for p in DEFAULT_PATHS), \
+            f"line {e.lineno}: {e.file} is outside the suite's selection"
+        if SDIST_TESTS.is_dir():
+            assert (SDIST_TESTS.parent / e.file).is_file(), f"line {e.lineno}: no file {e.file}"
+
+
+def test_compare_new_expected_stale():
+    ledger = [
+        LedgerEntry("tests/a/test_x.py::test_cuda[1]", "needs CUDA", 1),  # still fails: expected
+        LedgerEntry("tests/a/test_x.py::test_fixed", "needs CUDA", 2),  # passes now: stale
+        LedgerEntry("tests/a/test_ray.py", "collection error: needs ray", 3),  # still fails
+        LedgerEntry("tests/a/test_gone.py::test_old", "needs a checkpoint", 4),  # not collected
+        LedgerEntry("tests/b/test_y.py::test_z", "outside the selection", 5),  # out of scope
+        LedgerEntry("tests/a/test_glob.py::test_p[*]", "needs CUDA", 6),  # wildcard
+    ]
+    results = [
+        {"nodeid": "tests/a/test_x.py::test_cuda[1]", "outcome": FAILED},
+        {"nodeid": "tests/a/test_x.py::test_fixed", "outcome": PASSED},
+        {"nodeid": "tests/a/test_x.py::test_new", "outcome": FAILED},
+        {"nodeid": "tests/a/test_x.py::test_skip", "outcome": SKIPPED},
+        {"nodeid": "tests/a/test_ray.py", "outcome": FAILED},
+        {"nodeid": "tests/a/test_glob.py::test_p[a-b]", "outcome": FAILED},
+    ]
+    expected, new, stale = compare(results, ledger, ["tests/a"], filtered=False)
+    assert sorted(n for n, _ in expected) == [
+        "tests/a/test_glob.py::test_p[a-b]", "tests/a/test_ray.py", "tests/a/test_x.py::test_cuda[1]"]
+    assert [r["nodeid"] for r in new] == ["tests/a/test_x.py::test_new"]
+    assert [(e.lineno, why) for e, why in stale] == [
+        (2, "now passed"), (4, "not collected (gone or renamed?)")]
+    # A filtered run (-k) cannot tell a missing test from a deselected one.
+    _, _, stale = compare(results, ledger, ["tests/a"], filtered=True)
+    assert [e.lineno for e, _ in stale] == [2]
+    # '[' in an exact entry is literal, not a character class.
+    assert not LedgerEntry("tests/a.py::t[ab]", "r", 1).matches("tests/a.py::ta")
+
+
+def test_hub_stand_in_is_config_only_and_loads(tmp_path, monkeypatch):
+    models = stage_hub(tmp_path / "hf_home")
+    assert {"facebook/opt-125m", "Qwen/Qwen3-0.6B", "Qwen/Qwen1.5-7B"} <= set(models)
+    files = sorted(p.name for p in (tmp_path / "hf_home").rglob("*") if p.is_file())
+    assert set(files) == {"main", "config.json"}, files
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    from huggingface_hub import try_to_load_from_cache
+
+    for model in models:
+        got = try_to_load_from_cache(model, "config.json", cache_dir=str(tmp_path / "hf_home" / "hub"))
+        assert isinstance(got, str), f"{model}: the hub cache layout is not what huggingface_hub reads"
+        org, name = model.split("/")
+        assert json.loads(open(got).read()) == json.loads((HUB_SOURCE / org / name / "config.json").read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_upstream_regression(capsys):
+    if not (SDIST_TESTS / "conftest.py").is_file():
+        pytest.fail("the vLLM sdist is not fetched: run scripts/fetch_sources.sh")
+    # Run under the venv's python (.venv/bin/python -m pytest): that venv is the one tested.
+    with capsys.disabled():
+        summary = run_suite(python=sys.executable)
+    print(summary.text())
+    assert summary.counts.get(PASSED, 0) > 0, summary.text()
+    assert not summary.new_failures and not summary.stale, summary.text()
