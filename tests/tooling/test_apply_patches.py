@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from conftest import make_patch, run_script, tree_digest
+from kvtest import make_patch, run_script, tree_digest
 from kvstack.patchstack import read_series
 from kvstack.pins import load_pin
 

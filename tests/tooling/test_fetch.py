@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import shutil
 
-from conftest import run_script, tree_digest
+from kvtest import run_script, tree_digest
 from kvstack.fetch import cached_sdist
 from kvstack.pins import load_pin
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, make_patch
+from kvtest import REPO, make_patch
 
 from kvstack import matrix as M
 from kvstack import upstream_status as U

@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from conftest import make_patch, run_script, tree_digest
+from kvtest import make_patch, run_script, tree_digest
 from kvstack.fetch import download_sdist, extract_sdist
 from kvstack.patchstack import read_series
 from kvstack.pins import cache_dir, load_pin

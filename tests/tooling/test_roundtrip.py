@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from conftest import make_patch, run_script
+from kvtest import make_patch, run_script
 from kvstack.patchstack import read_series
 from kvstack.pins import COMPONENTS, load_pin
 

@@ -26,7 +26,7 @@ import pytest
 from kvstack.patchstack import read_series
 from kvstack.pins import COMPONENTS, load_pin
 
-from conftest import REPO  # noqa: E402
+from kvtest import REPO  # noqa: E402
 DOCKERFILE = REPO / "Dockerfile"
 SCRIPT_RE = re.compile(r"(?<![\w.-])((?:scripts|ci)/[\w.-]+\.(?:sh|py))")
 
