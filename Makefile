@@ -18,11 +18,13 @@ demo: env ## THE MAIN JOB: fetch + verify + patch + build the CPU env, then gene
 	$(VENV)/bin/kvstack demo
 
 test: env matrix-apply ## THE TESTS: apply matrix, tooling, patch, engine tests, upstream's suite (what .ci/run runs)
-	$(PY) -m pytest tests -q -p no:cacheprovider --timeout=1200
+	$(PY) -m pytest tests -q -p no:cacheprovider --timeout=1200 --junitxml=build/junit/tests.xml
 
 matrix-apply: ## the cheap pass of the regression matrix: does each patch apply to each listed release?
 	python3 ci/run_matrix.py --suites apply --no-png --out build/matrix
 
+# The pinned cell's unit results come from the last `make test` (its junit file), when there is one.
+MATRIX_ARGS ?= $(if $(wildcard build/junit/tests.xml),--results unit=build/junit/tests.xml)
 matrix: ## the whole regression matrix, published to ci/REPORT.md and ci/matrix.png
 	python3 ci/run_matrix.py --publish $(MATRIX_ARGS)
 
