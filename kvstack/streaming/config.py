@@ -1,0 +1,91 @@
+"""Configuration of the streaming connector and the choice of streaming layers.
+
+Everything here is a pure function of ``kv_connector_extra_config`` and the model config, so the
+class-level hook (consulted while vLLM collects the KV cache specs, before any connector instance
+exists), the scheduler-side connector and the worker-side connector all agree on which layers
+stream.
+
+Keys of ``kv_connector_extra_config`` (all optional):
+
+- ``streaming_layers``: list of regular expressions matched (``re.search``) against attention layer
+  names, or ``"auto"`` (default): the NoPE global layers of iRoPE models (Llama-4:
+  ``no_rope_layers[i] == 0``), else every full-attention layer.
+- ``window_tokens`` (default 1024): tokens of host-tier history attended per window.
+- ``device_window_tokens`` (default 1): the sliding window the device KV cache of a streaming layer
+  is bounded to. The connector never reads it back (attention runs over the host tier), so the
+  minimum is enough; the device then holds only the blocks of the current step.
+- ``page_tokens`` (default 32): host-tier page size in tokens (the unit of allocation and reuse).
+- ``host_tier_gib`` (default 1.0): host-tier capacity.
+- ``host_tier_path``: a file to back the host tier (memory-mapped) for more than RAM.
+- ``prefix_reuse`` (default true): keep full prompt pages after a request finishes and reuse them.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+AUTO = "auto"
+_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class StreamingConfig:
+    streaming_layers: tuple[str, ...] | None = None  # None: auto
+    window_tokens: int = 1024
+    device_window_tokens: int = 1
+    page_tokens: int = 32
+    host_tier_gib: float = 1.0
+    host_tier_path: str | None = None
+    prefix_reuse: bool = True
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any] | None) -> "StreamingConfig":
+        extra = dict(extra or {})
+        layers = extra.get("streaming_layers", AUTO)
+        if layers in (None, AUTO):
+            patterns = None
+        elif isinstance(layers, str):
+            patterns = (layers,)
+        else:
+            patterns = tuple(str(p) for p in layers)
+        cfg = cls(
+            streaming_layers=patterns,
+            window_tokens=int(extra.get("window_tokens", cls.window_tokens)),
+            device_window_tokens=int(extra.get("device_window_tokens", cls.device_window_tokens)),
+            page_tokens=int(extra.get("page_tokens", cls.page_tokens)),
+            host_tier_gib=float(extra.get("host_tier_gib", cls.host_tier_gib)),
+            host_tier_path=extra.get("host_tier_path") or None,
+            prefix_reuse=bool(extra.get("prefix_reuse", True)),
+        )
+        for name in ("window_tokens", "device_window_tokens", "page_tokens"):
+            if getattr(cfg, name) <= 0:
+                raise ValueError(f"kvstack streaming: {name} must be positive")
+        if cfg.host_tier_gib <= 0:
+            raise ValueError("kvstack streaming: host_tier_gib must be positive")
+        return cfg
+
+    @classmethod
+    def from_vllm_config(cls, vllm_config: Any) -> "StreamingConfig":
+        ktc = vllm_config.kv_transfer_config
+        return cls.from_extra(ktc.kv_connector_extra_config if ktc is not None else None)
+
+
+def layer_index(layer_name: str) -> int | None:
+    m = _LAYER_INDEX.search(layer_name)
+    return int(m.group(1)) if m else None
+
+
+def selects_layer(cfg: StreamingConfig, model_config: Any, layer_name: str) -> bool:
+    """Whether `layer_name` (an attention layer that would keep a full-attention KV cache)
+    streams under `cfg`."""
+    if cfg.streaming_layers is not None:
+        return any(re.search(p, layer_name) for p in cfg.streaming_layers)
+    hf = getattr(model_config, "hf_text_config", None) if model_config is not None else None
+    no_rope = getattr(hf, "no_rope_layers", None)
+    if no_rope:
+        # iRoPE (Llama-4): no_rope_layers[i] == 0 marks the NoPE global layers.
+        idx = layer_index(layer_name)
+        return idx is not None and idx < len(no_rope) and not no_rope[idx]
+    return True  # every full-attention layer

@@ -1,0 +1,228 @@
+"""Host tier: the full K/V history of the streaming layers, in pages of ``page_tokens`` tokens.
+
+Two halves, as in vLLM's own paged cache:
+
+- `PagePool` (scheduler side) owns the page table: free pages, per-request page lists,
+  content hashes of full prompt pages for prefix reuse (kept, LRU-evictable, after the request
+  finishes), and the counters reported as stats. It allocates; it never touches tensor data.
+- `HostStore` (worker side) holds the tensors, one K and one V pool per streaming layer
+  (``[num_pages, page_tokens, num_kv_heads, head_size]``; pinned host memory when CUDA is
+  available, plain memory on CPU, or a memory-mapped file), and reads/writes token ranges of a
+  request given its page list.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+
+
+class HostTierFull(RuntimeError):
+    pass
+
+
+def page_hashes(token_ids: list[int], page_tokens: int, extra: str = "") -> list[bytes]:
+    """Chained hashes of the full pages of `token_ids` (a page's hash covers all before it)."""
+    out: list[bytes] = []
+    prev = hashlib.sha256(extra.encode()).digest()
+    for i in range(len(token_ids) // page_tokens):
+        page = token_ids[i * page_tokens : (i + 1) * page_tokens]
+        prev = hashlib.sha256(prev + repr(page).encode()).digest()
+        out.append(prev)
+    return out
+
+
+@dataclass
+class PoolStats:
+    allocated_pages: int = 0
+    freed_pages: int = 0
+    prefix_hit_tokens: int = 0
+    prefix_hit_requests: int = 0
+    evicted_pages: int = 0
+    refused_requests: int = 0
+    waited_for_space: int = 0
+
+
+@dataclass
+class _Req:
+    pages: list[int] = field(default_factory=list)
+    hashed: int = 0  # leading pages already registered under their hash
+
+
+class PagePool:
+    def __init__(self, num_pages: int, page_tokens: int):
+        if num_pages <= 0:
+            raise ValueError("kvstack streaming: the host tier holds no page")
+        self.num_pages = num_pages
+        self.page_tokens = page_tokens
+        self._free: list[int] = list(range(num_pages - 1, -1, -1))
+        self._ref = [0] * num_pages
+        self._hash_of: dict[int, bytes] = {}
+        self._page_of: dict[bytes, int] = {}
+        self._lru: OrderedDict[int, None] = OrderedDict()  # cached pages with ref 0
+        self._reqs: dict[str, _Req] = {}
+        self.stats = PoolStats()
+
+    # ---- capacity -------------------------------------------------------------------------
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_pages * self.page_tokens
+
+    def num_available(self) -> int:
+        return len(self._free) + len(self._lru)
+
+    def num_used(self) -> int:
+        """Pages held by live requests (cached, evictable pages not counted)."""
+        return self.num_pages - self.num_available()
+
+    def num_cached(self) -> int:
+        """Pages of finished requests kept for prefix reuse (evictable)."""
+        return len(self._lru)
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_tokens)
+
+    # ---- requests ------------------------------------------------------------------------
+    def has(self, req_id: str) -> bool:
+        return req_id in self._reqs
+
+    def pages(self, req_id: str) -> list[int]:
+        return self._reqs[req_id].pages
+
+    def match_prefix(self, hashes: list[bytes]) -> int:
+        """Number of leading pages of `hashes` held in the pool (no side effect)."""
+        n = 0
+        for h in hashes:
+            if h not in self._page_of:
+                break
+            n += 1
+        return n
+
+    def start(self, req_id: str, hashes: list[bytes], num_hit_pages: int) -> None:
+        """Open a request, sharing its first `num_hit_pages` pages with the cache."""
+        req = _Req()
+        for h in hashes[:num_hit_pages]:
+            p = self._page_of[h]
+            self._take(p)
+            req.pages.append(p)
+        req.hashed = num_hit_pages
+        self._reqs[req_id] = req
+        if num_hit_pages:
+            self.stats.prefix_hit_requests += 1
+            self.stats.prefix_hit_tokens += num_hit_pages * self.page_tokens
+
+    def ensure(self, req_id: str, num_tokens: int) -> None:
+        """Give `req_id` pages for its first `num_tokens` tokens (raises HostTierFull)."""
+        req = self._reqs.setdefault(req_id, _Req())
+        need = self.pages_for(num_tokens) - len(req.pages)
+        if need <= 0:
+            return
+        if need > self.num_available():
+            raise HostTierFull(
+                f"kvstack host tier full: request {req_id} needs {need} more page(s) of "
+                f"{self.page_tokens} tokens, {self.num_available()} free of {self.num_pages}"
+            )
+        for _ in range(need):
+            req.pages.append(self._alloc())
+
+    def register_full_pages(self, req_id: str, hashes: list[bytes], num_tokens: int) -> None:
+        """Publish the hashes of the pages of `req_id` whose tokens are all computed."""
+        req = self._reqs.get(req_id)
+        if req is None:
+            return
+        full = min(len(hashes), num_tokens // self.page_tokens, len(req.pages))
+        for i in range(req.hashed, full):
+            h, p = hashes[i], req.pages[i]
+            if h not in self._page_of and p not in self._hash_of:
+                self._page_of[h] = p
+                self._hash_of[p] = h
+        req.hashed = max(req.hashed, full)
+
+    def finish(self, req_id: str) -> None:
+        req = self._reqs.pop(req_id, None)
+        if req is None:
+            return
+        for p in req.pages:
+            self._ref[p] -= 1
+            if self._ref[p] == 0:
+                if p in self._hash_of:
+                    self._lru[p] = None  # keep for reuse, evictable
+                else:
+                    self._free.append(p)
+                    self.stats.freed_pages += 1
+
+    # ---- internals ------------------------------------------------------------------------
+    def _take(self, p: int) -> None:
+        if self._ref[p] == 0:
+            self._lru.pop(p, None)
+        self._ref[p] += 1
+
+    def _alloc(self) -> int:
+        if self._free:
+            p = self._free.pop()
+        else:
+            p, _ = self._lru.popitem(last=False)
+            h = self._hash_of.pop(p)
+            del self._page_of[h]
+            self.stats.evicted_pages += 1
+        self._ref[p] = 1
+        self.stats.allocated_pages += 1
+        return p
+
+
+class HostStore:
+    """K/V pools of the streaming layers (worker side)."""
+
+    def __init__(self, layer_names: list[str], num_pages: int, page_tokens: int,
+                 num_kv_heads: int, head_size: int, dtype: torch.dtype,
+                 path: str | None = None, pin: bool | None = None):
+        self.page_tokens = page_tokens
+        shape = (num_pages, page_tokens, num_kv_heads, head_size)
+        numel = num_pages * page_tokens * num_kv_heads * head_size
+        if pin is None:
+            pin = torch.cuda.is_available()
+        self.k: dict[str, torch.Tensor] = {}
+        self.v: dict[str, torch.Tensor] = {}
+        if path:
+            # One memory-mapped file for all pools: more than RAM, paged by the OS.
+            total = numel * 2 * len(layer_names)
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            flat = torch.from_file(path, shared=True, size=total, dtype=dtype)
+            for i, name in enumerate(layer_names):
+                self.k[name] = flat[(2 * i) * numel:(2 * i + 1) * numel].view(shape)
+                self.v[name] = flat[(2 * i + 1) * numel:(2 * i + 2) * numel].view(shape)
+        else:
+            for name in layer_names:
+                self.k[name] = torch.empty(shape, dtype=dtype, pin_memory=pin)
+                self.v[name] = torch.empty(shape, dtype=dtype, pin_memory=pin)
+
+    def write(self, layer: str, pages: list[int], start: int,
+              k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store tokens [start, start + len(k)) of a request."""
+        P = self.page_tokens
+        n = k.shape[0]
+        pos = start
+        i = 0
+        kp, vp = self.k[layer], self.v[layer]
+        while i < n:
+            page, off = divmod(pos, P)
+            take = min(P - off, n - i)
+            kp[pages[page], off:off + take].copy_(k[i:i + take], non_blocking=True)
+            vp[pages[page], off:off + take].copy_(v[i:i + take], non_blocking=True)
+            i += take
+            pos += take
+
+    def read(self, layer: str, pages: list[int], start: int, end: int
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens [start, end) of a request: K, V of shape [end - start, H, D] (host)."""
+        P = self.page_tokens
+        first, last = start // P, (end - 1) // P
+        idx = torch.tensor(pages[first:last + 1], dtype=torch.long)
+        off = start - first * P
+        k = self.k[layer].index_select(0, idx).flatten(0, 1)[off:off + end - start]
+        v = self.v[layer].index_select(0, idx).flatten(0, 1)[off:off + end - start]
+        return k, v

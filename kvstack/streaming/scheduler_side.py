@@ -1,0 +1,136 @@
+"""Scheduler side of the streaming connector: the host-tier page table (admission, per-step
+pages, prefix reuse, freeing) and the per-step metadata for the worker."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from .config import StreamingConfig
+from .host_tier import HostTierFull, PagePool, page_hashes
+from .layout import ReqStep, StreamingMetadata, _Layout
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger("kvstack.streaming")
+
+
+class _SchedulerSide:
+    def __init__(self, cfg: StreamingConfig, layout: _Layout, vllm_config: "VllmConfig"):
+        self.cfg = cfg
+        self.layout = layout
+        self.pool = PagePool(layout.num_pages, cfg.page_tokens)
+        max_len = vllm_config.model_config.max_model_len
+        if self.pool.capacity_tokens < max_len:
+            raise ValueError(
+                f"kvstack StreamingConnector: the host tier ({cfg.host_tier_gib} GiB = "
+                f"{self.pool.capacity_tokens} tokens of {len(layout.layers)} streaming layer(s)) "
+                f"cannot hold one request of max_model_len={max_len}; raise host_tier_gib or "
+                f"lower max_model_len (longer requests are then refused up front by vLLM).")
+        self.prefix_reuse = cfg.prefix_reuse and layout.reuse_ok
+        if cfg.prefix_reuse and not self.prefix_reuse:
+            logger.warning("kvstack streaming: prefix reuse off (layers outside the host tier "
+                           "would need their device KV restored)")
+        self._reserved: dict[str, int] = {}  # req_id -> pages reserved at admission
+        self._hashes: dict[str, list[bytes]] = {}
+        self._blocks: dict[str, list[int]] = {}  # streaming-group block ids per request
+        self._prompt_len: dict[str, int] = {}
+        self.max_pages_in_use = 0
+
+    def _hashes_of(self, request: "Request") -> list[bytes]:
+        h = self._hashes.get(request.request_id)
+        if h is None:
+            h = page_hashes(list(request.prompt_token_ids or []), self.cfg.page_tokens)
+            self._hashes[request.request_id] = h
+        return h
+
+    def _outstanding(self) -> int:
+        return sum(max(0, r - len(self.pool.pages(i)) if self.pool.has(i) else r)
+                   for i, r in self._reserved.items())
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int):
+        rid = request.request_id
+        if self.pool.has(rid):  # resumed after preemption: its pages are still held
+            return 0, False
+        max_tokens = getattr(request, "max_tokens", None) or 0
+        need = self.pool.pages_for(request.num_prompt_tokens + max_tokens)
+        need = min(need, self.pool.num_pages)
+        hit_pages = 0
+        if self.prefix_reuse and num_computed_tokens == 0:
+            hit_pages = self.pool.match_prefix(self._hashes_of(request))
+            hit_pages = min(hit_pages, (request.num_prompt_tokens - 1) // self.cfg.page_tokens)
+        if need - hit_pages > self.pool.num_available() - self._outstanding():
+            self.pool.stats.waited_for_space += 1
+            return None, False  # not now: wait until finished requests free the tier
+        return hit_pages * self.cfg.page_tokens, False
+
+    def update_state_after_alloc(self, request: "Request", num_external_tokens: int):
+        rid = request.request_id
+        if self.pool.has(rid):
+            return
+        hashes = self._hashes_of(request) if self.prefix_reuse else []
+        self.pool.start(rid, hashes, num_external_tokens // self.cfg.page_tokens)
+        max_tokens = getattr(request, "max_tokens", None) or 0
+        self._reserved[rid] = min(self.pool.pages_for(request.num_prompt_tokens + max_tokens),
+                                  self.pool.num_pages)
+        self._prompt_len[rid] = request.num_prompt_tokens
+
+    def build_meta(self, so: "SchedulerOutput") -> StreamingMetadata:
+        meta = StreamingMetadata()
+        g = self.layout.group
+        bs = self.layout.block_size
+        steps: list[tuple[str, int]] = []
+        for nr in so.scheduled_new_reqs:
+            self._blocks[nr.req_id] = list(nr.block_ids[g])
+            steps.append((nr.req_id, nr.num_computed_tokens))
+        cr = so.scheduled_cached_reqs
+        for i, rid in enumerate(cr.req_ids):
+            nb = cr.new_block_ids[i]
+            if rid in cr.resumed_req_ids:
+                self._blocks[rid] = list(nb[g]) if nb is not None else []
+            elif nb is not None:
+                self._blocks.setdefault(rid, []).extend(nb[g])
+            steps.append((rid, cr.num_computed_tokens[i]))
+        for rid, start in steps:
+            n = so.num_scheduled_tokens[rid]
+            try:
+                self.pool.ensure(rid, start + n)
+            except HostTierFull:
+                # Cannot happen with admission reservations; kept as a clear error.
+                logger.error("kvstack streaming: host tier full for request %s", rid)
+                raise
+            blocks = self._blocks[rid]
+            anchor = blocks[start // bs] * bs + start % bs
+            meta.reqs.append(ReqStep(rid, start, n, anchor, list(self.pool.pages(rid))))
+            if self.prefix_reuse:
+                self.pool.register_full_pages(
+                    rid, self._hashes.get(rid, []), min(start + n, self._prompt_len.get(rid, 0)))
+        self.max_pages_in_use = max(self.max_pages_in_use, self.pool.num_used())
+        return meta
+
+    def finish(self, rid: str) -> None:
+        self.pool.finish(rid)
+        self._reserved.pop(rid, None)
+        self._hashes.pop(rid, None)
+        self._blocks.pop(rid, None)
+        self._prompt_len.pop(rid, None)
+
+    def stats(self) -> dict[str, Any]:
+        s = self.pool.stats
+        return dict(
+            capacity_tokens=self.pool.capacity_tokens,
+            pages_total=self.pool.num_pages,
+            pages_in_use=self.pool.num_used(),
+            cached_pages=self.pool.num_cached(),
+            max_pages_in_use=self.max_pages_in_use,
+            live_requests=len(self._reserved),
+            prefix_hit_requests=s.prefix_hit_requests,
+            prefix_hit_tokens=s.prefix_hit_tokens,
+            allocated_pages=s.allocated_pages,
+            freed_pages=s.freed_pages,
+            evicted_pages=s.evicted_pages,
+            waited_for_space=s.waited_for_space,
+        )

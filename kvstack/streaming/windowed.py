@@ -1,0 +1,164 @@
+"""Attention of one request's new tokens over its host-tier history, in windows.
+
+For query tokens at positions ``[ctx, ctx + n)`` and a history of ``ctx`` tokens kept in the host
+tier, the history is attended window by window (``window_tokens`` at a time, each window copied to
+the query's device), and the new tokens' own K/V with the causal mask; the partial results are
+combined by the log-sum-exp rule with vLLM's ``merge_attn_states`` (its torch fallback on CPU).
+The result equals softmax attention over the concatenated K/V.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+NEG_INF = float("-inf")
+
+
+def _merge_fn() -> Callable:
+    try:
+        from vllm.v1.attention.ops.merge_attn_states import merge_attn_states
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cpu():
+            # Make sure the torch fallback is there (kvstack's merge patch); else use ours.
+            import vllm.v1.attention.ops.torch_merge_attn_states  # noqa: F401
+        return merge_attn_states
+    except Exception:  # noqa: BLE001 - no vLLM / no fallback: same rule in torch
+        return torch_merge
+
+
+def torch_merge(output, prefix_output, prefix_lse, suffix_output, suffix_lse,
+                output_lse=None, prefill_tokens_with_context=None, output_scale=None):
+    """Same contract as vLLM's merge_attn_states (outputs [T, H, D], LSEs [H, T])."""
+    p_lse = prefix_lse.float().masked_fill(prefix_lse == float("inf"), NEG_INF)
+    s_lse = suffix_lse.float().masked_fill(suffix_lse == float("inf"), NEG_INF)
+    m = torch.maximum(p_lse, s_lse)
+    m_safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    pw, sw = torch.exp(p_lse - m_safe), torch.exp(s_lse - m_safe)
+    tot = pw + sw
+    out = (prefix_output.float() * (pw / tot).T.unsqueeze(-1)
+           + suffix_output.float() * (sw / tot).T.unsqueeze(-1))
+    output.copy_(out.to(output.dtype))
+    if output_lse is not None:
+        output_lse.copy_(torch.log(tot) + m_safe)
+
+
+_MERGE: Callable | None = None
+
+
+def merge(*args) -> None:
+    global _MERGE
+    if _MERGE is None:
+        _MERGE = _merge_fn()
+    _MERGE(*args)
+
+
+def _flash(q, k, v, scale, causal):
+    """torch's fused attention kernels that also return the LSE (CPU: float32 in/out)."""
+    rep = q.shape[1] // k.shape[1]
+    if q.device.type == "cpu":
+        op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        q, k, v = q.float(), k.float(), v.float()
+    else:
+        op = torch.ops.aten._scaled_dot_product_flash_attention
+    qh = q.transpose(0, 1).unsqueeze(0)
+    kh = k.repeat_interleave(rep, 1).transpose(0, 1).unsqueeze(0)
+    vh = v.repeat_interleave(rep, 1).transpose(0, 1).unsqueeze(0)
+    res = op(qh, kh, vh, 0.0, causal, scale=scale)
+    return res[0][0].transpose(0, 1).float(), res[1][0].float()
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+           causal_offset: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Partial attention: q [T, Hq, D], k/v [S, Hkv, D] -> (out [T, Hq, Dv] fp32, lse [Hq, T]).
+
+    With ``causal_offset`` c, query t sees keys s <= t + c (keys and queries share positions
+    shifted by c); without it every key is visible."""
+    if causal_offset is None or (causal_offset == 0 and q.shape[0] == k.shape[0]):
+        try:
+            return _flash(q, k, v, scale, causal_offset is not None)
+        except (RuntimeError, NotImplementedError):
+            pass  # unsupported dtype/shape/device: the reference path below
+    return attend_reference(q, k, v, scale, causal_offset)
+
+
+def attend_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                     causal_offset: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`attend` in plain torch ops (float32)."""
+    T, Hq, _ = q.shape
+    S, Hkv, _ = k.shape
+    rep = Hq // Hkv
+    qf = q.float().view(T, Hkv, rep, -1)
+    scores = torch.einsum("tgrd,sgd->grts", qf, k.float()) * scale  # [Hkv, rep, T, S]
+    if causal_offset is not None:
+        t = torch.arange(T, device=q.device).unsqueeze(1)
+        s = torch.arange(S, device=q.device).unsqueeze(0)
+        scores = scores.masked_fill(s > t + causal_offset, NEG_INF)
+    lse = torch.logsumexp(scores, dim=-1)  # [Hkv, rep, T]
+    lse_safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    probs = torch.exp(scores - lse_safe.unsqueeze(-1))
+    out = torch.einsum("grts,sgd->tgrd", probs, v.float()).reshape(T, Hq, -1)
+    return out, lse.reshape(Hq, T)
+
+
+def windowed_attention(q: torch.Tensor, new_k: torch.Tensor, new_v: torch.Tensor,
+                       history: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]],
+                       ctx: int, window: int, scale: float,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of q (positions ctx..ctx+T-1) over history [0, ctx) + new K/V.
+
+    ``history(start, end)`` returns the host-tier K/V of tokens [start, end); it is called once per
+    window, so only ``window`` tokens of history are on the query's device at a time (two on a
+    GPU, where the next window is gathered and copied on a side stream while this one is
+    attended)."""
+    T = q.shape[0]
+    acc, acc_lse = attend(q, new_k, new_v, scale, causal_offset=0)
+    starts = list(range(0, ctx, window))
+    fetch = _gpu_fetcher(q.device, history, window, ctx) if q.is_cuda else None
+    pending = fetch(starts[0]) if (fetch and starts) else None
+    for i, start in enumerate(starts):
+        if fetch is None:
+            hk, hv = history(start, min(start + window, ctx))
+        else:
+            hk, hv, ready = pending
+            if i + 1 < len(starts):
+                pending = fetch(starts[i + 1])  # overlaps with the attention below
+            torch.cuda.current_stream(q.device).wait_event(ready)
+        part, part_lse = attend(q, hk.to(q.device), hv.to(q.device), scale)
+        merged = torch.empty_like(acc)
+        merged_lse = torch.empty_like(acc_lse)
+        merge(merged, part, part_lse, acc, acc_lse, merged_lse)
+        acc, acc_lse = merged, merged_lse
+    if out is None:
+        return acc.to(q.dtype)
+    out[:T].copy_(acc.to(out.dtype))
+    return out
+
+
+_COPY_STREAMS: dict = {}
+
+
+def _gpu_fetcher(device, history, window, ctx):
+    """Gather a window on the host, pin it, copy it on a side stream; returns (k, v, event).
+    NOTE: written for CUDA, not yet run on a GPU (kvstack's CI machines have none)."""
+    stream = _COPY_STREAMS.get(device)
+    if stream is None:
+        stream = _COPY_STREAMS[device] = torch.cuda.Stream(device=device)
+    compute = torch.cuda.current_stream(device)
+
+    def fetch(start):
+        hk, hv = history(start, min(start + window, ctx))
+        if not hk.is_pinned():
+            hk, hv = hk.pin_memory(), hv.pin_memory()
+        with torch.cuda.stream(stream):
+            dk = hk.to(device, non_blocking=True)
+            dv = hv.to(device, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record(stream)
+        dk.record_stream(compute)  # allocated on the copy stream, used on the compute stream
+        dv.record_stream(compute)
+        return dk, dv, ready
+
+    return fetch

@@ -1,0 +1,50 @@
+"""Worker side of the streaming connector: the host-tier K/V pools and the attention of the
+streaming layers (history in windows + the new tokens, merged by log-sum-exp)."""
+
+from __future__ import annotations
+
+from .config import StreamingConfig
+from .host_tier import HostStore
+from .layout import ReqStep, StreamingMetadata, _Layout
+from .windowed import windowed_attention
+
+
+class _WorkerSide:
+    def __init__(self, cfg: StreamingConfig, layout: _Layout):
+        self.cfg = cfg
+        self.layout = layout
+        self.layers = frozenset(layout.layers)
+        self.store = HostStore(list(layout.layers), layout.num_pages, cfg.page_tokens,
+                               layout.num_kv_heads, layout.head_size, layout.dtype,
+                               path=cfg.host_tier_path)
+        self._by_slot: dict[int, ReqStep] = {}
+
+    def begin_step(self, meta: StreamingMetadata) -> None:
+        self._by_slot = {r.anchor_slot: r for r in meta.reqs}
+
+    def attention(self, layer, query, key, value, output, attn_metadata):
+        name = layer.layer_name
+        qsl = attn_metadata.query_start_loc.tolist()
+        slots = attn_metadata.slot_mapping
+        scale = float(layer.impl.scale)
+        window = self.cfg.window_tokens
+        for i in range(len(qsl) - 1):
+            a, b = qsl[i], qsl[i + 1]
+            if b <= a:
+                continue
+            r = self._by_slot.get(int(slots[a]))
+            if r is None or r.num_tokens != b - a:
+                raise RuntimeError(
+                    f"kvstack streaming: cannot match batch segment {i} (slot {int(slots[a])}, "
+                    f"{b - a} tokens) of {name} to a scheduled request")
+            pages = r.pages
+
+            def history(s, e, _p=pages):
+                return self.store.read(name, _p, s, e)
+
+            windowed_attention(query[a:b], key[a:b], value[a:b], history, r.start, window,
+                               scale, out=output[a:b])
+            self.store.write(name, pages, r.start, key[a:b], value[a:b])
+        if qsl[-1] < output.shape[0]:
+            output[qsl[-1]:].zero_()
+        return output

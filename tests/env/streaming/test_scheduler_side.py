@@ -1,0 +1,88 @@
+"""The connector's scheduler side without an engine: admission, anchors, preemption, freeing."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from streaming_helpers import needs_hooks
+
+pytestmark = needs_hooks
+
+
+def _side(num_pages=8, page=4, prefix_reuse=True):
+    from kvstack.streaming.config import StreamingConfig
+    from kvstack.streaming.connector import _Layout, _SchedulerSide
+
+    cfg = StreamingConfig(page_tokens=page, prefix_reuse=prefix_reuse)
+    layout = _Layout(group=1, block_size=4, layers=("L",), num_kv_heads=1, head_size=8,
+                     dtype=torch.bfloat16, num_pages=num_pages, reuse_ok=True)
+    vc = SimpleNamespace(model_config=SimpleNamespace(max_model_len=num_pages * page))
+    return _SchedulerSide(cfg, layout, vc)
+
+
+def _req(rid, n, max_tokens=4, salt=0):
+    return SimpleNamespace(request_id=rid, num_prompt_tokens=n, max_tokens=max_tokens,
+                           prompt_token_ids=[salt * 100 + i for i in range(n)])
+
+
+def _out(new=(), cached=(), resumed=(), sched=None):
+    return SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id=r, block_ids=([], b), num_computed_tokens=c)
+                            for r, b, c in new],
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[r for r, _, _ in cached], resumed_req_ids=set(resumed),
+            new_block_ids=[None if b is None else ([], b) for _, b, _ in cached],
+            num_computed_tokens=[c for _, _, c in cached]),
+        num_scheduled_tokens=sched)
+
+
+def test_admission_anchor_preemption_and_free():
+    s = _side()
+    a, b = _req("a", 10), _req("b", 16, salt=3)
+    assert s.get_num_new_matched_tokens(a, 0) == (0, False)
+    s.update_state_after_alloc(a, 0)  # no external hit; reserves ceil(14/4) = 4 pages
+    assert s.get_num_new_matched_tokens(b, 0) == (None, False)  # needs 5, 4 left: wait
+    assert s.pool.stats.waited_for_space == 1
+    # step 1: a prefills 8 tokens in blocks [5, 9] of the streaming group
+    m = s.build_meta(_out(new=[("a", [5, 9, 2], 0)], sched={"a": 8}))
+    (r,) = m.reqs
+    assert (r.start, r.num_tokens, r.anchor_slot, len(r.pages)) == (0, 8, 5 * 4, 2)
+    # step 2: a continues at position 8 -> third block (2), offset 0
+    (r,) = s.build_meta(_out(cached=[("a", None, 8)], sched={"a": 2})).reqs
+    assert r.anchor_slot == 2 * 4 and len(r.pages) == 3
+    # preempted and resumed: all its blocks are new, it recomputes from 0, keeps its pages
+    pages = list(r.pages)
+    assert s.get_num_new_matched_tokens(a, 0) == (0, False)
+    (r,) = s.build_meta(_out(cached=[("a", [7, 3, 6], 0)], resumed=["a"], sched={"a": 10})).reqs
+    assert r.anchor_slot == 7 * 4 and r.pages == pages
+    s.finish("a")
+    st = s.stats()
+    assert st["pages_in_use"] == 0 and st["live_requests"] == 0
+    assert st["cached_pages"] == 2  # two full prompt pages kept for reuse
+    assert s.get_num_new_matched_tokens(b, 0) == (0, False)  # b fits now
+
+
+def test_prefix_hit_is_page_aligned_and_leaves_last_token():
+    s = _side()
+    a = _req("a", 12, salt=1)
+    s.update_state_after_alloc(a, 0)
+    s.build_meta(_out(new=[("a", [1, 2, 3], 0)], sched={"a": 12}))
+    s.finish("a")
+    same = _req("c", 12, salt=1)
+    assert s.get_num_new_matched_tokens(same, 0) == (8, False)  # 12 - 1 -> 2 full pages
+    s.update_state_after_alloc(same, 8)
+    assert s.stats()["prefix_hit_tokens"] == 8
+    other = _req("d", 12, salt=2)
+    assert s.get_num_new_matched_tokens(other, 0) == (0, False)
+
+
+def test_host_tier_smaller_than_max_model_len_is_refused():
+    from kvstack.streaming.config import StreamingConfig
+    from kvstack.streaming.connector import _Layout, _SchedulerSide
+
+    layout = _Layout(group=0, block_size=4, layers=("L",), num_kv_heads=1, head_size=8,
+                     dtype=torch.bfloat16, num_pages=4, reuse_ok=True)
+    vc = SimpleNamespace(model_config=SimpleNamespace(max_model_len=100))
+    with pytest.raises(ValueError, match="host tier"):
+        _SchedulerSide(StreamingConfig(page_tokens=4), layout, vc)
