@@ -51,6 +51,7 @@ import xml.etree.ElementTree as ET
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from kvstack.fetch import sha256_of
 from kvstack.patchstack import ALREADY, APPLIES, OFFSET, patch_headers, plan_series, read_series
 from kvstack.pins import COMPONENTS, REPO_ROOT, cache_dir, load_pin
 
@@ -116,14 +117,6 @@ def log(msg: str) -> None:
 
 def version_key(version: str) -> tuple:
     return tuple(int(x) for x in re.findall(r"\d+", version))
-
-
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 # --------------------------------------------------------------------------- configuration
