@@ -1,0 +1,100 @@
+"""Run a tiny model once on the CPU engine, optionally with LMCacheConnectorV1, and print JSON.
+
+    python engine_run.py --model qwen3next --model-dir DIR [--lmcache] [--wipe] --prompts P.json
+
+Used by the tests (one engine per process, as a user would run it). LMCache's backend is chosen
+with the usual LMCACHE_* environment variables. The last stdout line is JSON:
+{"tokens": [[...], ...], "hits": [N, ...], "restored": [N, ...], "warnings": [...]} where hits are
+the external hit tokens LMCache reported for each request and restored the hybrid states restored.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import logging
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(REPO))
+
+from kvstack.tiny_models import apply_engine_env, llm_kwargs  # noqa: E402
+
+
+class _Tap(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.lines: list[str] = []
+
+    def emit(self, record):
+        try:
+            self.lines.append(f"{record.levelname} {record.getMessage()}")
+        except Exception:
+            pass
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--model-dir", required=True)
+    ap.add_argument("--prompts", required=True, help="JSON file: list of token-id lists")
+    ap.add_argument("--lmcache", action="store_true")
+    ap.add_argument("--wipe", action="store_true", help="zero the engine's KV cache before each prompt")
+    ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=64)
+    args = ap.parse_args(argv)
+
+    apply_engine_env()
+    os.environ.setdefault("LMCACHE_DISABLE_BANNER", "1")
+    tap = _Tap()
+    logging.getLogger().addHandler(tap)
+    import lmcache.logging as lml  # noqa: F401
+
+    for name in ("lmcache", "vllm"):
+        logging.getLogger(name).addHandler(tap)
+
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    kw = llm_kwargs(args.model, args.model_dir, enable_prefix_caching=False,
+                    max_num_batched_tokens=args.max_num_batched_tokens)
+    if args.lmcache:
+        kw["kv_transfer_config"] = KVTransferConfig(kv_connector="LMCacheConnectorV1", kv_role="kv_both")
+    llm = LLM(**kw)
+    # LMCache creates its loggers on import; tap them too.
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith("lmcache"):
+            logging.getLogger(name).addHandler(tap)
+
+    prompts = json.loads(Path(args.prompts).read_text())
+    sp = SamplingParams(temperature=0, max_tokens=args.max_tokens)
+    tokens, hits, restored = [], [], []
+    for p in prompts:
+        if args.wipe:
+            runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+            for kv in runner.kv_caches:
+                for t in (kv if isinstance(kv, (list, tuple)) else [kv]):
+                    t.zero_()
+        start = len(tap.lines)
+        out = llm.generate([{"prompt_token_ids": p}], sp, use_tqdm=False)
+        tokens.append(list(out[0].outputs[0].token_ids))
+        new = tap.lines[start:]
+        h = [int(m.group(1)) for line in new for m in [re.search(r"LMCache hit tokens: (\d+)", line)] if m]
+        hits.append(h[-1] if h else 0)
+        r = [int(m.group(1)) for line in new for m in [re.search(r"restored hybrid state at (\d+)", line)] if m]
+        restored.append(r[-1] if r else 0)
+    warnings = [line for line in tap.lines if line.startswith(("WARNING", "ERROR"))]
+    print(json.dumps({"tokens": tokens, "hits": hits, "restored": restored, "warnings": warnings}))
+    sys.stdout.flush()
+    if args.lmcache:
+        time.sleep(float(os.environ.get("KVSTACK_LMCACHE_FLUSH_S", "3")))  # async disk/remote puts
+    os._exit(0)  # skip slow engine/LMCache teardown
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,158 @@
+"""End to end on the CPU engine: in-process LMCacheConnectorV1 with the kvstack patches.
+
+Each engine runs in its own process (engine_run.py), as a user would start one. Tokens of every
+LMCache run are compared with a run without any KV connector.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+pytest.importorskip("lmcache")
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[2]
+sys.path.insert(0, str(REPO))
+
+CHUNK = 32
+PROMPT_A = [(i * 37) % 900 + 3 for i in range(100)]  # 100 tokens: 3 full chunks of 32
+PROMPT_EXT = PROMPT_A + [5, 6, 7, 8] * 10  # extends A by 40 tokens
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory):
+    from kvstack.tiny_models import make_model
+
+    root = tmp_path_factory.mktemp("tiny-models")
+    return lambda name: make_model(name, root / name)
+
+
+def run_engine(model_dir, name, prompts, tmp_path, *, lmcache=False, wipe=False, env=None):
+    pfile = tmp_path / f"prompts-{time.monotonic_ns()}.json"
+    pfile.write_text(json.dumps(prompts))
+    cmd = [sys.executable, str(HERE / "engine_run.py"), "--model", name, "--model-dir", str(model_dir),
+           "--prompts", str(pfile), "--max-num-batched-tokens", "64"]
+    if lmcache:
+        cmd.append("--lmcache")
+    if wipe:
+        cmd.append("--wipe")
+    full_env = {**os.environ, "PYTHONHASHSEED": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
+                "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1",
+                "LMCACHE_CHUNK_SIZE": str(CHUNK), "LMCACHE_DISABLE_BANNER": "1",
+                "LMCACHE_HYBRID_STATE_DIR": str(tmp_path / "hybrid-state"), **(env or {})}
+    res = subprocess.run(cmd, capture_output=True, text=True, env=full_env, timeout=600)
+    lines = [ln for ln in res.stdout.splitlines() if ln.startswith("{")]
+    if res.returncode != 0 or not lines:
+        raise AssertionError(f"engine run failed ({res.returncode}):\n{res.stdout[-4000:]}\n{res.stderr[-6000:]}")
+    return json.loads(lines[-1])
+
+
+LOCAL_CPU = {"LMCACHE_LOCAL_CPU": "True", "LMCACHE_MAX_LOCAL_CPU_SIZE": "0.5"}
+
+
+@pytest.fixture(scope="module")
+def qwen_baseline(tiny, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("qwen-baseline")
+    out = run_engine(tiny("qwen3next"), "qwen3next", [PROMPT_A, PROMPT_EXT], tmp)
+    return {"A": out["tokens"][0], "EXT": out["tokens"][1]}
+
+
+def test_llama_in_process_hit_and_same_tokens(tiny, tmp_path):
+    """Non-hybrid model: the second run loads from LMCache (engine KV wiped) and decodes the same."""
+    base = run_engine(tiny("llama"), "llama", [PROMPT_A], tmp_path)
+    out = run_engine(tiny("llama"), "llama", [PROMPT_A, PROMPT_A], tmp_path, lmcache=True, wipe=True,
+                     env=LOCAL_CPU)
+    assert out["hits"][0] == 0
+    assert out["hits"][1] == 96  # 3 whole chunks; the 4 trailing tokens are recomputed
+    assert out["restored"] == [0, 0]  # no hybrid state for a single-group model
+    assert out["tokens"] == [base["tokens"][0]] * 2
+
+
+def test_qwen3next_local_cpu_restores_hybrid_state(tiny, tmp_path, qwen_baseline):
+    out = run_engine(tiny("qwen3next"), "qwen3next", [PROMPT_A, PROMPT_A, PROMPT_EXT], tmp_path,
+                     lmcache=True, wipe=True, env=LOCAL_CPU)
+    # State is saved where a scheduler step ends on a chunk boundary (64 with 64-token steps),
+    # so the 96 cached tokens are used up to 64, where K/V and state both exist.
+    assert out["hits"] == [0, 64, 64]
+    assert out["restored"] == [0, 64, 64]
+    assert out["tokens"] == [qwen_baseline["A"], qwen_baseline["A"], qwen_baseline["EXT"]]
+
+
+def test_qwen3next_local_disk(tiny, tmp_path, qwen_baseline):
+    """Local disk backend only (no CPU tier): engine KV wiped before each prompt, so hits come
+    from disk; the hybrid state is kept next to the disk cache. (LMCache 0.5.3's disk backend
+    does not index files left by an earlier process, so a new engine cannot hit from disk.)"""
+    disk = {"LMCACHE_LOCAL_CPU": "False", "LMCACHE_LOCAL_DISK": f"file://{tmp_path}/disk/",
+            "LMCACHE_MAX_LOCAL_DISK_SIZE": "1", "LMCACHE_HYBRID_STATE_DIR": ""}
+    out = run_engine(tiny("qwen3next"), "qwen3next", [PROMPT_A, PROMPT_A, PROMPT_EXT], tmp_path,
+                     lmcache=True, wipe=True, env=disk)
+    assert sorted((tmp_path / "disk" / "hybrid-state").glob("*.state"))
+    assert out["hits"] == [0, 64, 64] and out["restored"] == [0, 64, 64]
+    assert out["tokens"] == [qwen_baseline["A"], qwen_baseline["A"], qwen_baseline["EXT"]]
+
+
+def _tamper_states(state_dir: Path) -> int:
+    n = 0
+    for path in state_dir.glob("*.state"):
+        data = bytearray(path.read_bytes())
+        i = data.index(b'"model": "') + len(b'"model": "')
+        data[i] ^= 0x01  # the header no longer names this model (and the checksum fails)
+        path.write_bytes(bytes(data))
+        n += 1
+    return n
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_qwen3next_lmcache_server_and_server_killed(tiny, tmp_path, qwen_baseline):
+    port = _free_port()
+    server_bin = Path(sys.executable).with_name("lmcache_server")
+    server = subprocess.Popen([str(server_bin), "127.0.0.1", str(port)], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        for _ in range(100):
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                break
+            except OSError:
+                time.sleep(0.1)
+        remote = {"LMCACHE_LOCAL_CPU": "True", "LMCACHE_MAX_LOCAL_CPU_SIZE": "0.5",
+                  "LMCACHE_REMOTE_URL": f"lm://127.0.0.1:{port}", "LMCACHE_REMOTE_SERDE": "naive"}
+        model = tiny("qwen3next")
+        first = run_engine(model, "qwen3next", [PROMPT_A], tmp_path, lmcache=True, env=remote)
+        assert first["tokens"] == [qwen_baseline["A"]]
+        time.sleep(1.0)  # remote puts are asynchronous
+        second = run_engine(model, "qwen3next", [PROMPT_A, PROMPT_EXT], tmp_path, lmcache=True,
+                            env=remote)
+        assert second["hits"] == [64, 64] and second["restored"] == [64, 64]
+        assert second["tokens"] == [qwen_baseline["A"], qwen_baseline["EXT"]]
+
+        # Tampered state metadata: K/V is still on the server, but the hit becomes a miss.
+        assert _tamper_states(tmp_path / "hybrid-state") > 0
+        tampered = run_engine(model, "qwen3next", [PROMPT_A], tmp_path, lmcache=True, env=remote)
+        assert tampered["hits"] == [0] and tampered["restored"] == [0]
+        assert tampered["tokens"] == [qwen_baseline["A"]]
+        assert any("rejected" in w for w in tampered["warnings"]), tampered["warnings"]
+    finally:
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait(timeout=30)
+
+    # Server gone: the request still completes, recomputed, with the right tokens and a warning.
+    third = run_engine(model, "qwen3next", [PROMPT_A], tmp_path, lmcache=True, env=remote)
+    assert third["hits"] == [0]
+    assert third["tokens"] == [qwen_baseline["A"]]
+    assert third["warnings"], "expected a warning about the unreachable LMCache server"
