@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import os
 import re
 import sys
@@ -31,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from kvstack import tiny_models  # noqa: E402
+from kvstack.engine import shutdown_llm  # noqa: E402
 
 tiny_models.apply_engine_env()
 # Timings on a small shared machine: one unbound OpenMP thread per engine is stable, two bound
@@ -66,16 +66,7 @@ def engine(model_dir, *, streaming: dict | None = None, hma: bool = False, **ove
     try:
         yield llm
     finally:
-        with contextlib.suppress(Exception):
-            llm.llm_engine.engine_core.shutdown()
-        del llm
-        gc.collect()
-        from vllm.distributed.kv_transfer.kv_transfer_state import ensure_kv_transfer_shutdown
-        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-
-        # the in-process engine leaves its KV connector as a process-wide global
-        ensure_kv_transfer_shutdown()
-        cleanup_dist_env_and_memory()
+        shutdown_llm(llm)
 
 
 def ttft(llm, n: int, reps: int, salt0: int) -> float:

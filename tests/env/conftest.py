@@ -15,13 +15,13 @@ imported by any test, wherever the user has not set a value.
 from __future__ import annotations
 
 import contextlib
-import gc
 from pathlib import Path
 from typing import Callable, Iterator
 
 import pytest
 
 from kvstack import tiny_models
+from kvstack.engine import shutdown_llm
 
 tiny_models.apply_engine_env()
 
@@ -44,19 +44,12 @@ def tiny_llm(tiny_model_dir):
     @contextlib.contextmanager
     def start(name: str, **overrides) -> Iterator:
         from vllm import LLM
-        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
         llm = LLM(**tiny_models.llm_kwargs(name, tiny_model_dir(name), **overrides))
         try:
             yield llm
         finally:
-            # Stop the in-process engine core, drop the last reference and free the KV cache
-            # (a GiB at VLLM_CPU_KVCACHE_SPACE=1) before the next engine starts.
-            with contextlib.suppress(Exception):
-                llm.llm_engine.engine_core.shutdown()
-            del llm
-            gc.collect()
-            cleanup_dist_env_and_memory()
+            shutdown_llm(llm)
 
     return start
 

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import contextlib
-import gc
 import os
 from pathlib import Path
 
 import pytest
+
+from kvstack.engine import shutdown_llm
 
 ROOT = Path(__file__).resolve().parents[3]
 SITE = ROOT / ".venv" / "lib" / "python3.11" / "site-packages"
@@ -83,17 +84,7 @@ def scheduler_connector(llm):
     return llm.llm_engine.engine_core.engine_core.scheduler.connector
 
 
-def close(llm) -> None:
-    with contextlib.suppress(Exception):
-        llm.llm_engine.engine_core.shutdown()
-    del llm
-    gc.collect()
-    from vllm.distributed.kv_transfer.kv_transfer_state import ensure_kv_transfer_shutdown
-    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-
-    # the in-process engine leaves its KV connector as a process-wide global
-    ensure_kv_transfer_shutdown()
-    cleanup_dist_env_and_memory()
+close = shutdown_llm
 
 
 def prompt(n: int, salt: int = 0) -> dict:
