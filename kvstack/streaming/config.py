@@ -18,6 +18,10 @@ Keys of ``kv_connector_extra_config`` (all optional):
 - ``host_tier_gib`` (default 1.0): host-tier capacity.
 - ``host_tier_path``: a file to back the host tier (memory-mapped) for more than RAM.
 - ``prefix_reuse`` (default true): keep full prompt pages after a request finishes and reuse them.
+- ``on_host_tier_full`` (default ``"fail"``): what happens to a new request when the host tier
+  cannot hold it now (other requests hold the pages): ``"fail"`` finishes it at once with finish
+  reason ``"error"`` and the reason as its stop reason, and the engine keeps serving the others;
+  ``"wait"`` keeps it queued until finished requests free enough pages.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ class StreamingConfig:
     host_tier_gib: float = 1.0
     host_tier_path: str | None = None
     prefix_reuse: bool = True
+    on_host_tier_full: str = "fail"
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> "StreamingConfig":
@@ -58,10 +63,14 @@ class StreamingConfig:
             host_tier_gib=float(extra.get("host_tier_gib", cls.host_tier_gib)),
             host_tier_path=extra.get("host_tier_path") or None,
             prefix_reuse=bool(extra.get("prefix_reuse", True)),
+            on_host_tier_full=str(extra.get("on_host_tier_full", cls.on_host_tier_full)),
         )
         for name in ("window_tokens", "device_window_tokens", "page_tokens"):
             if getattr(cfg, name) <= 0:
                 raise ValueError(f"kvstack streaming: {name} must be positive")
+        if cfg.on_host_tier_full not in ("fail", "wait"):
+            raise ValueError("kvstack streaming: on_host_tier_full must be 'fail' or 'wait', "
+                             f"not {cfg.on_host_tier_full!r}")
         if cfg.host_tier_gib <= 0:
             raise ValueError("kvstack streaming: host_tier_gib must be positive")
         return cfg

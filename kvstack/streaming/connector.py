@@ -6,7 +6,8 @@ Class level (before any instance exists): ``supports_kv_paging = True`` and
 ``device_window_tokens``, so the device keeps only the blocks of the current step for it.
 
 Scheduler side (`_SchedulerSide`, scheduler_side.py): owns the host-tier page table (`PagePool`): admission (a request
-waits while the tier cannot hold its prompt + max_tokens), page allocation per step, prefix reuse
+the tier cannot hold now, prompt + max_tokens, fails with a clear error through
+``take_failed_requests``, or waits with ``on_host_tier_full="wait"``), page allocation per step, prefix reuse
 (full prompt pages hashed and kept after the request finishes), freeing on finish. Each step's
 metadata tells the worker, per scheduled request, its first position, token count, host pages and
 the device slot of its first new token in the streaming group (how the worker finds the request
@@ -124,6 +125,9 @@ class StreamingConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         return self._sched.build_meta(scheduler_output)
+
+    def take_failed_requests(self) -> dict[str, str]:
+        return self._sched.take_failed() if self._sched is not None else {}
 
     def request_finished(self, request: "Request", block_ids: list[int]):
         self._sched.finish(request.request_id)

@@ -45,6 +45,7 @@ class PoolStats:
     evicted_pages: int = 0
     refused_requests: int = 0
     waited_for_space: int = 0
+    failed_host_tier_full: int = 0
 
 
 @dataclass

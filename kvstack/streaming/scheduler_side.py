@@ -38,6 +38,7 @@ class _SchedulerSide:
         self._hashes: dict[str, list[bytes]] = {}
         self._blocks: dict[str, list[int]] = {}  # streaming-group block ids per request
         self._prompt_len: dict[str, int] = {}
+        self._failed: dict[str, str] = {}  # req_id -> reason, until the scheduler takes it
         self.max_pages_in_use = 0
 
     def _hashes_of(self, request: "Request") -> list[bytes]:
@@ -62,10 +63,28 @@ class _SchedulerSide:
         if self.prefix_reuse and num_computed_tokens == 0:
             hit_pages = self.pool.match_prefix(self._hashes_of(request))
             hit_pages = min(hit_pages, (request.num_prompt_tokens - 1) // self.cfg.page_tokens)
-        if need - hit_pages > self.pool.num_available() - self._outstanding():
-            self.pool.stats.waited_for_space += 1
-            return None, False  # not now: wait until finished requests free the tier
+        free = self.pool.num_available() - self._outstanding()
+        if need - hit_pages > free:
+            if self.cfg.on_host_tier_full == "wait":
+                self.pool.stats.waited_for_space += 1
+                return None, False  # not now: wait until finished requests free the tier
+            if rid not in self._failed:
+                self.pool.stats.failed_host_tier_full += 1
+                self._failed[rid] = (
+                    f"kvstack StreamingConnector: host tier full: this request needs "
+                    f"{(need - hit_pages) * self.cfg.page_tokens} tokens of host tier "
+                    f"(prompt + max_tokens), {max(free, 0) * self.cfg.page_tokens} are free "
+                    f"({len(self._reserved)} running request(s) hold the rest of "
+                    f"{self.pool.capacity_tokens}); retry later, or raise host_tier_gib")
+            return None, False  # not scheduled; the scheduler fails it (take_failed)
         return hit_pages * self.cfg.page_tokens, False
+
+    def take_failed(self) -> dict[str, str]:
+        """Requests refused since the last call (reported once), with their reason."""
+        failed, self._failed = self._failed, {}
+        for rid in failed:
+            self._hashes.pop(rid, None)
+        return failed
 
     def update_state_after_alloc(self, request: "Request", num_external_tokens: int):
         rid = request.request_id
@@ -117,6 +136,7 @@ class _SchedulerSide:
         self._hashes.pop(rid, None)
         self._blocks.pop(rid, None)
         self._prompt_len.pop(rid, None)
+        self._failed.pop(rid, None)
 
     def stats(self) -> dict[str, Any]:
         s = self.pool.stats
@@ -133,4 +153,5 @@ class _SchedulerSide:
             freed_pages=s.freed_pages,
             evicted_pages=s.evicted_pages,
             waited_for_space=s.waited_for_space,
+            failed_host_tier_full=s.failed_host_tier_full,
         )

@@ -22,7 +22,8 @@ BUDGET = dict(num_gpu_blocks_override=16, max_num_batched_tokens=64, max_num_seq
               max_model_len=MAX_LEN)
 PAGE_BYTES = 32 * 2 * 2 * 32 * 2  # page_tokens x (K,V) x kv_heads x head_dim x bf16, 1 layer
 TIER_PAGES = 32  # 1024 tokens = MAX_LEN: 300- and 700-token requests cannot be in it together
-STREAMING = dict(window_tokens=48, page_tokens=32, host_tier_gib=TIER_PAGES * PAGE_BYTES / 2**30)
+STREAMING = dict(window_tokens=48, page_tokens=32, host_tier_gib=TIER_PAGES * PAGE_BYTES / 2**30,
+                 on_host_tier_full="wait")  # concurrent requests queue for the tier (default: fail)
 
 
 @pytest.fixture(scope="module")

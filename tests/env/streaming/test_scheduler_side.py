@@ -10,11 +10,11 @@ from streaming_helpers import needs_hooks
 pytestmark = needs_hooks
 
 
-def _side(num_pages=8, page=4, prefix_reuse=True):
+def _side(num_pages=8, page=4, prefix_reuse=True, on_full="wait"):
     from kvstack.streaming.config import StreamingConfig
     from kvstack.streaming.connector import _Layout, _SchedulerSide
 
-    cfg = StreamingConfig(page_tokens=page, prefix_reuse=prefix_reuse)
+    cfg = StreamingConfig(page_tokens=page, prefix_reuse=prefix_reuse, on_host_tier_full=on_full)
     layout = _Layout(group=1, block_size=4, layers=("L",), num_kv_heads=1, head_size=8,
                      dtype=torch.bfloat16, num_pages=num_pages, reuse_ok=True)
     vc = SimpleNamespace(model_config=SimpleNamespace(max_model_len=num_pages * page))
@@ -61,6 +61,31 @@ def test_admission_anchor_preemption_and_free():
     assert st["pages_in_use"] == 0 and st["live_requests"] == 0
     assert st["cached_pages"] == 2  # two full prompt pages kept for reuse
     assert s.get_num_new_matched_tokens(b, 0) == (0, False)  # b fits now
+
+
+def test_host_tier_full_fails_the_request_once_with_a_reason():
+    s = _side(on_full="fail")
+    a, b = _req("a", 10), _req("b", 16, salt=3)
+    s.update_state_after_alloc(a, 0)  # a holds 4 of 8 pages
+    assert s.get_num_new_matched_tokens(b, 0) == (None, False)  # not scheduled...
+    assert s.get_num_new_matched_tokens(b, 0) == (None, False)  # (asked again: same answer)
+    failed = s.take_failed()  # ...but failed, once, with a reason for the user
+    assert list(failed) == ["b"]
+    assert "host tier full" in failed["b"] and "20 tokens" in failed["b"]
+    assert s.take_failed() == {}
+    st = s.stats()
+    assert st["failed_host_tier_full"] == 1 and st["waited_for_space"] == 0
+    assert st["live_requests"] == 1  # a is untouched
+    s.finish("a")
+    assert s.get_num_new_matched_tokens(_req("c", 16, salt=4), 0) == (0, False)
+
+
+def test_unknown_host_tier_full_policy_is_refused():
+    from kvstack.streaming.config import StreamingConfig
+
+    assert StreamingConfig.from_extra({}).on_host_tier_full == "fail"
+    with pytest.raises(ValueError, match="on_host_tier_full"):
+        StreamingConfig.from_extra({"on_host_tier_full": "drop"})
 
 
 def test_prefix_hit_is_page_aligned_and_leaves_last_token():
