@@ -22,6 +22,9 @@ Keys of ``kv_connector_extra_config`` (all optional):
   cannot hold it now (other requests hold the pages): ``"fail"`` finishes it at once with finish
   reason ``"error"`` and the reason as its stop reason, and the engine keeps serving the others;
   ``"wait"`` keeps it queued until finished requests free enough pages.
+- ``cpu_native_attention`` (default true): on vLLM's CPU backend, a request whose whole history
+  fits in one window is attended by vLLM's own CPU kernel (see ``cpu_native.py``); false forces the
+  windowed torch path everywhere.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ class StreamingConfig:
     host_tier_path: str | None = None
     prefix_reuse: bool = True
     on_host_tier_full: str = "fail"
+    cpu_native_attention: bool = True
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> "StreamingConfig":
@@ -64,6 +68,7 @@ class StreamingConfig:
             host_tier_path=extra.get("host_tier_path") or None,
             prefix_reuse=bool(extra.get("prefix_reuse", True)),
             on_host_tier_full=str(extra.get("on_host_tier_full", cls.on_host_tier_full)),
+            cpu_native_attention=bool(extra.get("cpu_native_attention", True)),
         )
         for name in ("window_tokens", "device_window_tokens", "page_tokens"):
             if getattr(cfg, name) <= 0:

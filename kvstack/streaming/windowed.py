@@ -57,12 +57,23 @@ def merge(*args) -> None:
 
 def _flash(q, k, v, scale, causal):
     """torch's fused attention kernels that also return the LSE (CPU: float32 in/out)."""
-    rep = q.shape[1] // k.shape[1]
+    T, Hq, D = q.shape
+    Hkv = k.shape[1]
+    rep = Hq // Hkv
     if q.device.type == "cpu":
         op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
         q, k, v = q.float(), k.float(), v.float()
     else:
         op = torch.ops.aten._scaled_dot_product_flash_attention
+    if rep > 1 and not causal:
+        # GQA without copying K/V rep times: the rep query heads of a KV head become rep x more
+        # query rows of that head (row t*rep + r); without a mask, rows are independent.
+        qf = q.reshape(T, Hkv, rep, D).transpose(0, 1).reshape(1, Hkv, T * rep, D)
+        res = op(qf, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0), 0.0, False,
+                 scale=scale)
+        out = res[0][0].reshape(Hkv, T, rep, -1).transpose(0, 1).reshape(T, Hq, -1)
+        lse = res[1][0].reshape(Hkv, T, rep).transpose(1, 2).reshape(Hq, T)
+        return out.float(), lse.float()
     qh = q.transpose(0, 1).unsqueeze(0)
     kh = k.repeat_interleave(rep, 1).transpose(0, 1).unsqueeze(0)
     vh = v.repeat_interleave(rep, 1).transpose(0, 1).unsqueeze(0)
@@ -113,7 +124,9 @@ def windowed_attention(q: torch.Tensor, new_k: torch.Tensor, new_v: torch.Tensor
     window, so only ``window`` tokens of history are on the query's device at a time (two on a
     GPU, where the next window is gathered and copied on a side stream while this one is
     attended)."""
-    T = q.shape[0]
+    T, dtype = q.shape[0], q.dtype
+    if q.device.type == "cpu" and ctx > 0:
+        q = q.float()  # once, not per window (the CPU kernels run in float32)
     acc, acc_lse = attend(q, new_k, new_v, scale, causal_offset=0)
     starts = list(range(0, ctx, window))
     fetch = _gpu_fetcher(q.device, history, window, ctx) if q.is_cuda else None
@@ -132,7 +145,7 @@ def windowed_attention(q: torch.Tensor, new_k: torch.Tensor, new_v: torch.Tensor
         merge(merged, part, part_lse, acc, acc_lse, merged_lse)
         acc, acc_lse = merged, merged_lse
     if out is None:
-        return acc.to(q.dtype)
+        return acc.to(dtype)
     out[:T].copy_(acc.to(out.dtype))
     return out
 

@@ -3,6 +3,7 @@ streaming layers (history in windows + the new tokens, merged by log-sum-exp).""
 
 from __future__ import annotations
 
+from . import cpu_native
 from .config import StreamingConfig
 from .host_tier import HostStore
 from .layout import ReqStep, StreamingMetadata, _Layout
@@ -18,6 +19,9 @@ class _WorkerSide:
                                layout.num_kv_heads, layout.head_size, layout.dtype,
                                path=cfg.host_tier_path)
         self._by_slot: dict[int, ReqStep] = {}
+        # CPU: one-window histories go through vLLM's own CPU kernel (cpu_native.py); set to
+        # False for good the first time a layer is not on that backend.
+        self._native = cfg.cpu_native_attention
 
     def begin_step(self, meta: StreamingMetadata) -> None:
         self._by_slot = {r.anchor_slot: r for r in meta.reqs}
@@ -38,12 +42,19 @@ class _WorkerSide:
                     f"kvstack streaming: cannot match batch segment {i} (slot {int(slots[a])}, "
                     f"{b - a} tokens) of {name} to a scheduled request")
             pages = r.pages
+            if r.start <= window and self._native:
+                # the whole history is one window: vLLM's own CPU kernel, no LSE merge needed
+                hk, hv = self.store.read(name, pages, 0, r.start) if r.start else (None, None)
+                self._native = cpu_native.attend_one_window(
+                    layer, query[a:b], hk, hv, key[a:b], value[a:b], output[a:b],
+                    self.layout.block_size)
+            if not (r.start <= window and self._native):
 
-            def history(s, e, _p=pages):
-                return self.store.read(name, _p, s, e)
+                def history(s, e, _p=pages):
+                    return self.store.read(name, _p, s, e)
 
-            windowed_attention(query[a:b], key[a:b], value[a:b], history, r.start, window,
-                               scale, out=output[a:b])
+                windowed_attention(query[a:b], key[a:b], value[a:b], history, r.start, window,
+                                   scale, out=output[a:b])
             self.store.write(name, pages, r.start, key[a:b], value[a:b])
         if qsl[-1] < output.shape[0]:
             output[qsl[-1]:].zero_()
