@@ -4,8 +4,9 @@
 
 Used by the tests (one engine per process, as a user would run it). LMCache's backend is chosen
 with the usual LMCACHE_* environment variables. The last stdout line is JSON:
-{"tokens": [[...], ...], "hits": [N, ...], "restored": [N, ...], "warnings": [...]} where hits are
-the external hit tokens LMCache reported for each request and restored the hybrid states restored.
+{"tokens": [[...], ...], "hits": [N, ...], "restored": [N, ...], "warnings": [...], "indexed": N|null}
+where hits are the external hit tokens LMCache reported for each request, restored the hybrid states
+restored and indexed the chunk files the local disk backend indexed at start-up (null: no disk scan).
 """
 
 from __future__ import annotations
@@ -53,8 +54,17 @@ def main(argv=None) -> int:
     os.environ.setdefault("LMCACHE_DISABLE_BANNER", "1")
     tap = _Tap()
     logging.getLogger().addHandler(tap)
-    import lmcache.logging as lml  # noqa: F401
+    import lmcache.logging as lml
 
+    # LMCache's loggers do not propagate: tap each one as it is created (start-up lines included).
+    make_logger = lml.init_logger
+
+    def tapped_logger(name):
+        logger = make_logger(name)
+        logger.addHandler(tap)
+        return logger
+
+    lml.init_logger = tapped_logger
     for name in ("lmcache", "vllm"):
         logging.getLogger(name).addHandler(tap)
 
@@ -89,7 +99,9 @@ def main(argv=None) -> int:
         r = [int(m.group(1)) for line in new for m in [re.search(r"restored hybrid state at (\d+)", line)] if m]
         restored.append(r[-1] if r else 0)
     warnings = [line for line in tap.lines if line.startswith(("WARNING", "ERROR"))]
-    print(json.dumps({"tokens": tokens, "hits": hits, "restored": restored, "warnings": warnings}))
+    indexed = [int(m.group(1)) for line in tap.lines for m in [re.search(r"Indexed (\d+) chunk", line)] if m]
+    print(json.dumps({"tokens": tokens, "hits": hits, "restored": restored, "warnings": warnings,
+                      "indexed": indexed[-1] if indexed else None}))
     sys.stdout.flush()
     if args.lmcache:
         time.sleep(float(os.environ.get("KVSTACK_LMCACHE_FLUSH_S", "3")))  # async disk/remote puts

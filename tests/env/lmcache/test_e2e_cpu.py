@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -88,17 +89,75 @@ def test_qwen3next_local_cpu_restores_hybrid_state(tiny, tmp_path, qwen_baseline
     assert out["tokens"] == [qwen_baseline["A"], qwen_baseline["A"], qwen_baseline["EXT"]]
 
 
-def test_qwen3next_local_disk(tiny, tmp_path, qwen_baseline):
-    """Local disk backend only (no CPU tier): engine KV wiped before each prompt, so hits come
-    from disk; the hybrid state is kept next to the disk cache. (LMCache 0.5.3's disk backend
-    does not index files left by an earlier process, so a new engine cannot hit from disk.)"""
-    disk = {"LMCACHE_LOCAL_CPU": "False", "LMCACHE_LOCAL_DISK": f"file://{tmp_path}/disk/",
-            "LMCACHE_MAX_LOCAL_DISK_SIZE": "1", "LMCACHE_HYBRID_STATE_DIR": ""}
-    out = run_engine(tiny("qwen3next"), "qwen3next", [PROMPT_A, PROMPT_A, PROMPT_EXT], tmp_path,
-                     lmcache=True, wipe=True, env=disk)
-    assert sorted((tmp_path / "disk" / "hybrid-state").glob("*.state"))
-    assert out["hits"] == [0, 64, 64] and out["restored"] == [0, 64, 64]
-    assert out["tokens"] == [qwen_baseline["A"], qwen_baseline["A"], qwen_baseline["EXT"]]
+DISK_ONLY = {"LMCACHE_LOCAL_CPU": "False", "LMCACHE_MAX_LOCAL_DISK_SIZE": "1", "LMCACHE_HYBRID_STATE_DIR": ""}
+
+
+def _disk_env(folder: Path) -> dict:
+    return {**DISK_ONLY, "LMCACHE_LOCAL_DISK": f"file://{folder}/"}
+
+
+@pytest.fixture(scope="module")
+def qwen_disk_written(tiny, tmp_path_factory, qwen_baseline):
+    """A local-disk folder written by one engine process (no CPU tier): chunk files, their
+    sidecars and the hybrid states next to them. Tests copy it before using it."""
+    tmp = tmp_path_factory.mktemp("qwen-disk")
+    out = run_engine(tiny("qwen3next"), "qwen3next", [PROMPT_A], tmp, lmcache=True, env=_disk_env(tmp / "disk"))
+    assert out["hits"] == [0] and out["tokens"] == [qwen_baseline["A"]]
+    assert out["indexed"] is None  # an empty folder: nothing to index
+    disk = tmp / "disk"
+    chunks = sorted(disk.glob("*.pt"))
+    assert len(chunks) >= 3  # 100 tokens: 3 whole 32-token chunks (+ the partial one if saved)
+    assert sorted(p.name + ".kvmeta" for p in chunks) == sorted(p.name for p in disk.glob("*.pt.kvmeta"))
+    assert sorted((disk / "hybrid-state").glob("*.state"))
+    return disk
+
+
+def test_qwen3next_local_disk_new_engine_process(tiny, tmp_path, qwen_baseline, qwen_disk_written):
+    """Local disk backend only (no CPU tier): a NEW engine process indexes the chunk files the
+    first one wrote, hits from disk, restores the hybrid state kept next to them and decodes the
+    same tokens (engine KV wiped before each prompt, so every hit is a load from disk)."""
+    disk = tmp_path / "disk"
+    shutil.copytree(qwen_disk_written, disk)
+    n_chunks = len(list(disk.glob("*.pt")))
+    out = run_engine(tiny("qwen3next"), "qwen3next", [PROMPT_A, PROMPT_EXT], tmp_path, lmcache=True,
+                     wipe=True, env=_disk_env(disk))
+    assert out["indexed"] == n_chunks
+    assert not [w for w in out["warnings"] if "Skipping disk cache file" in w], out["warnings"]
+    # 96 tokens are on disk; the hybrid state exists at 64 (64-token steps), so both hit 64.
+    assert out["hits"] == [64, 64] and out["restored"] == [64, 64]
+    assert out["tokens"] == [qwen_baseline["A"], qwen_baseline["EXT"]]
+
+
+def test_qwen3next_local_disk_bad_files_are_a_miss(tiny, tmp_path, qwen_baseline, qwen_disk_written):
+    """Chunk files a new engine must not trust: truncated data files, a sidecar that does not
+    parse, a sidecar whose dtype is not the engine's. Each is skipped with a warning and left
+    on disk; the request is a miss, recomputed with the same tokens."""
+    disk = tmp_path / "disk"
+    shutil.copytree(qwen_disk_written, disk)
+    chunks = sorted(disk.glob("*.pt"))
+    for i, path in enumerate(chunks):
+        side = path.with_name(path.name + ".kvmeta")
+        if i % 3 == 0:
+            path.write_bytes(path.read_bytes()[:-64])  # truncated data file
+        elif i % 3 == 1:
+            side.write_text(side.read_text()[:-5])  # sidecar cut short: no longer JSON
+        else:
+            rec = json.loads(side.read_text())
+            rec["dtype"] = "half"  # a sidecar that does not match this engine
+            side.write_text(json.dumps(rec))
+    before = {p.name for p in disk.iterdir()}
+    out = run_engine(tiny("qwen3next"), "qwen3next", [PROMPT_A], tmp_path, lmcache=True, wipe=True,
+                     env=_disk_env(disk))
+    assert out["indexed"] == 0
+    skipped = [w for w in out["warnings"] if "Skipping disk cache file" in w]
+    assert len(skipped) == len(chunks), out["warnings"]
+    assert any("data file holds" in w for w in skipped) and any("does not parse" in w for w in skipped)
+    if len(chunks) >= 3:
+        assert any("is not this engine's" in w for w in skipped)
+    assert out["hits"] == [0] and out["restored"] == [0]
+    assert out["tokens"] == [qwen_baseline["A"]]
+    # Nothing was deleted (the recomputed prompt is stored again, over the files it skipped).
+    assert before <= {p.name for p in disk.iterdir()}
 
 
 def _tamper_states(state_dir: Path) -> int:
