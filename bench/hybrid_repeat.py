@@ -1,9 +1,9 @@
 """Repeat-prompt TTFT of a hybrid model (Qwen3-Next layout) on the CPU engine, with and without LMCache.
 
-    .venv/bin/python bench/hybrid_repeat.py [--prompt-tokens 4096] [--hidden 512] [--layers 8]
+    .venv/bin/python bench/hybrid_repeat.py [--prompt-tokens 4096] [--hidden 768] [--layers 16]
 
 Builds a random-weight Qwen3NextForCausalLM (3 gated delta-net layers per full-attention layer,
-a few hundred MB in bf16 at the defaults) under build/bench-models/, then, each in a fresh
+343 MiB of bf16 weights at the defaults) under build/bench-models/, then, each in a fresh
 process: (a) no KV connector: a warm-up prompt of the same length, the prompt, then the same prompt again, timing the second;
 (b) LMCacheConnectorV1 with a local CPU backend: a warm-up prompt, the prompt (stored, hybrid state saved), the
 engine's KV cache zeroed, the same prompt again, timing the second (loaded: K/V + hybrid state).
@@ -85,10 +85,12 @@ def child(args) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompt-tokens", type=int, default=4096)
-    ap.add_argument("--hidden", type=int, default=512)
-    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--hidden", type=int, default=768)
+    ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--chunk", type=int, default=256, help="LMCache chunk size")
-    ap.add_argument("--step", type=int, default=512, help="max_num_batched_tokens (a multiple of --chunk)")
+    ap.add_argument("--step", type=int, default=256,
+                    help="max_num_batched_tokens, a multiple of --chunk (hybrid state is saved at step "
+                         "boundaries, so step == chunk lets a repeat reuse all but the last chunk)")
     ap.add_argument("--mode", choices=["none", "lmcache"], help=argparse.SUPPRESS)
     ap.add_argument("--model-dir", help=argparse.SUPPRESS)
     args = ap.parse_args()
