@@ -1,0 +1,171 @@
+"""Issue 3, step [2/N a]: KV connectors accept the packed K/V cache (kvstack pending patch).
+
+The patch makes vLLM 0.25.1's TransferTopology and the NIXL, Mooncake and MoRI-IO connectors
+register one transfer region per layer for the packed cache
+(num_blocks, num_kv_heads, block_size, 2 * head_size), transfer whole blocks (contiguous
+blocks coalesced where the connector can), keep the 5-D layouts of 0.25.1 exactly as they
+were and refuse unknown layouts.
+
+The cases live in connector_cases.py and run in one subprocess (`python -m pytest`), with
+the patched files taken from a temporary copy of the installed ones (the shared venv is never
+modified) and put in front of the installed modules by a meta-path finder; when the series
+is applied to the venv, the installed modules are tested as they are. Real CPU tensors in
+both physical orders (HND, NHD), real 0.25.1 backends for the 5-D layouts, mocks only for
+the transports (NIXL agent, Mooncake engine).
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import shutil
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.env
+
+REPO = Path(__file__).resolve().parents[3]
+HERE = Path(__file__).resolve().parent
+CASES_FILE = HERE / "connector_cases.py"
+SERIES_DIRS = [REPO / "patches" / "vllm", REPO / "patches" / "pending" / "vllm"]
+SUBJECT = "kv_connector: one transfer region per layer for"
+MARKER = ("vllm/distributed/kv_transfer/kv_connector/utils.py", "def classify_kv_cache_layout(")
+TRITON_SUBJECT = "triton_attn: pack K and V into the content dim"
+ALLOWED = {
+    "vllm/distributed/kv_transfer/kv_connector/utils.py",
+    "vllm/distributed/kv_transfer/kv_connector/v1/nixl/base_worker.py",
+    "vllm/distributed/kv_transfer/kv_connector/v1/mooncake/mooncake_connector.py",
+    "vllm/distributed/kv_transfer/kv_connector/v1/moriio/moriio_layout.py",
+    "vllm/distributed/kv_transfer/kv_connector/v1/moriio/moriio_connector.py",
+}
+
+
+def series_patches() -> list[Path]:
+    out = []
+    for series_dir in SERIES_DIRS:
+        series = series_dir / "series"
+        if not series.exists():
+            continue
+        for line in series.read_text().splitlines():
+            name = line.strip()
+            if name and not name.startswith("#") and (series_dir / name).exists():
+                out.append(series_dir / name)
+    return out
+
+
+def find_patch(subject: str = SUBJECT) -> Path:
+    for path in series_patches():
+        head = path.read_text().split("\n---\n", 1)[0]
+        if subject in " ".join(head.split()):  # the Subject: line may be folded
+            return path
+    pytest.fail(f"no patch '{subject}' in any of {[str(d) for d in SERIES_DIRS]}", pytrace=False)
+
+
+def touched(patch: Path) -> list[str]:
+    return [line[6:] for line in patch.read_text().splitlines() if line.startswith("+++ b/")]
+
+
+def installed_root() -> Path:
+    try:
+        import vllm
+    except ImportError as exc:
+        pytest.fail(f"vLLM is not importable with {sys.executable} ({exc}); run in the kvstack "
+                    "venv", pytrace=False)
+    return Path(vllm.__path__[0]).parent
+
+
+def apply_to_copy(patch: Path, source_root: Path, dest: Path, *, check_only: bool = False) -> None:
+    """Apply the -p1 patch to copies (under dest) of the files it touches in source_root."""
+    files = touched(patch)
+    for rel in files:
+        (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(source_root / rel, dest / rel)
+    cmd = ["git", "apply", "-p1", *[f"--include={rel}" for rel in files], str(patch)]
+    if check_only:
+        cmd.insert(2, "--check")
+    res = subprocess.run(cmd, cwd=dest, capture_output=True, text=True)
+    assert res.returncode == 0, f"{patch.name} does not apply to {source_root}: {res.stderr}"
+
+
+def patched_in_venv(root: Path) -> bool:
+    return MARKER[1] in (root / MARKER[0]).read_text()
+
+
+def case_names() -> list[str]:
+    tree = ast.parse(CASES_FILE.read_text())
+    return [n.name for n in tree.body if isinstance(n, ast.FunctionDef) and n.name.startswith("test_")]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict[str, list[str]]:
+    """function name -> outcomes ('passed' / failure text) of its test cases."""
+    root = installed_root()
+    tmp = tmp_path_factory.mktemp("connector-packed")
+    env = {k: v for k, v in os.environ.items() if k != "KVSTACK_CONNECTOR_OVERLAY"}
+    if not patched_in_venv(root):
+        apply_to_copy(find_patch(), root, tmp / "overlay")
+        env["KVSTACK_CONNECTOR_OVERLAY"] = str(tmp / "overlay")
+    junit = tmp / "junit.xml"
+    res = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o",
+         "addopts=", f"--junitxml={junit}", "--rootdir", str(HERE), str(CASES_FILE)],
+        capture_output=True, text=True, env=env, cwd=HERE, timeout=900)
+    assert junit.exists(), f"inner run failed ({res.returncode}):\n{res.stdout[-4000:]}{res.stderr[-2000:]}"
+    out: dict[str, list[str]] = {}
+    for case in ET.parse(junit).getroot().iter("testcase"):
+        name = case.get("name", "").split("[", 1)[0]
+        bad = case.find("failure")
+        if bad is None:
+            bad = case.find("error")
+        skipped = case.find("skipped")
+        if bad is not None:
+            outcome = f"{case.get('name')}: {bad.get('message', '')}\n{(bad.text or '')[-1500:]}"
+        elif skipped is not None:
+            outcome = f"{case.get('name')}: skipped {skipped.get('message', '')}"
+        else:
+            outcome = "passed"
+        out.setdefault(name, []).append(outcome)
+    return out
+
+
+def test_every_case_ran(results):
+    assert sorted(results) == sorted(case_names())
+
+
+@pytest.mark.parametrize("case", case_names())
+def test_case(results, case):
+    outcomes = results.get(case)
+    assert outcomes, f"{case} did not run"
+    bad = [o for o in outcomes if o != "passed"]
+    assert not bad, "\n".join(bad)
+
+
+def test_patch_applies_to_sdist_and_site_packages(tmp_path, pinned_tree):
+    """The same -p1 patch applies to the pristine sdist tree and to the installed package."""
+    patch = find_patch()
+    apply_to_copy(patch, pinned_tree("vllm"), tmp_path / "sdist", check_only=True)
+    root = installed_root()
+    if not patched_in_venv(root):
+        apply_to_copy(patch, root, tmp_path / "site", check_only=True)
+
+
+def test_pending_series_order():
+    """The connector patch comes before the first backend that moves to the packed layout."""
+    patches = series_patches()
+    connector, triton = find_patch(), find_patch(TRITON_SUBJECT)
+    assert patches.index(connector) < patches.index(triton)
+
+
+def test_patch_trailers_and_scope():
+    text = find_patch().read_text()
+    head = text.split("\n---\n", 1)[0]
+    assert "From: kvstack <kvstack@localhost>" in head
+    assert ("Upstream-Status: Backport [https://github.com/vllm-project/vllm/pull/44455, "
+            "in vLLM 0.26.0]") in head
+    assert "Drop-When: the vLLM pin reaches 0.26.0" in head
+    assert "Kvstack-Issue: 3" in head
+    assert set(touched(find_patch())) <= ALLOWED, "Python connector files only (no compiled code)"
