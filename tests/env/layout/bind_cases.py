@@ -1,0 +1,281 @@
+"""Cases for the [3/N] patch (bind_kv_cache, Mamba pages as one tensor), run by
+test_bind_kv_cache.py in a subprocess: `python -m pytest bind_cases.py`.
+
+Not collected by the outer test run (the name does not start with `test_`). When
+KVSTACK_BIND_OVERLAY names a folder, every `vllm/...py` file in it replaces the installed
+module of the same name (bind_worker's meta-path finder, installed before vLLM is imported),
+so the patched files are tested without touching the shared venv. Without it the installed
+vLLM 0.25.1 is tested: the negative control, where the [3/N] cases must fail.
+
+Real CPU tensors; the reference for the Mamba views is vLLM 0.25.1's own construction
+(bind_worker.reference_0251_views); only the transports are mocks.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bind_worker  # noqa: E402
+
+bind_worker.install_overlay()
+os.environ.pop("KVSTACK_CONNECTOR_OVERLAY", None)  # connector_cases: helpers only, no 2nd finder
+
+from collections.abc import Iterable  # noqa: E402
+from types import SimpleNamespace  # noqa: E402
+from unittest.mock import MagicMock  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import connector_cases as cc  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector import utils as kv_utils  # noqa: E402
+from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase  # noqa: E402
+from vllm.model_executor.layers.mamba.abstract import MambaBase  # noqa: E402
+from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum  # noqa: E402
+from vllm.v1.kv_cache_interface import (  # noqa: E402
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheTensor,
+    MambaSpec,
+)
+
+_OVERLAY = os.environ.get("KVSTACK_BIND_OVERLAY")
+NUM_BLOCKS = cc.NUM_BLOCKS
+
+# (state shapes, state dtypes, page padding in bytes): GDN-like (bf16 conv, fp32 ssm, page
+# padded to an attention page), Mamba2-like with a size-1 dim, one state (short conv).
+CONFIGS = {
+    "gdn_padded": (((3, 256), (4, 32, 32)), (torch.bfloat16, torch.float32), 32768),
+    "mamba2_unit_dim": (((8, 3), (2, 4, 1, 4)), (torch.float16, torch.float32), None),
+    "short_conv": (((3, 16),), (torch.float32,), None),
+}
+
+
+def mamba_spec(config: str) -> MambaSpec:
+    shapes, dtypes, padded = CONFIGS[config]
+    return MambaSpec(block_size=cc.BLOCK_SIZE, shapes=shapes, dtypes=dtypes,
+                     page_size_padded=padded)
+
+
+class TinyMamba(MambaBase):
+    """A Mamba layer with the given states (only what bind_kv_cache uses)."""
+
+    def __init__(self, shapes: Iterable[tuple[int, ...]], dtypes: tuple[torch.dtype, ...]):
+        self._shapes, self._dtypes = tuple(shapes), tuple(dtypes)
+
+    def get_state_shape(self):
+        return self._shapes
+
+    def get_state_dtype(self):
+        return self._dtypes
+
+    @property
+    def mamba_type(self):
+        return MambaAttentionBackendEnum.GDN_ATTN
+
+
+class TinyAttention(AttentionLayerBase):
+    def get_attn_backend(self):
+        return cc.PackedBackend
+
+    def get_kv_cache_spec(self, vllm_config):
+        return cc.SPEC
+
+
+def runner_reshape(raw: dict[str, torch.Tensor], specs: dict[str, MambaSpec]) -> dict:
+    """Call the (patched) GPUModelRunner._reshape_kv_cache_tensors, inherited by the CPU runner,
+    on Mamba-only groups: the runner's own code, minus the engine."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    groups = [SimpleNamespace(kv_cache_spec=spec, backend=None, kv_cache_group_id=i,
+                              layer_names=[name]) for i, (name, spec) in enumerate(specs.items())]
+    config = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_groups=[],
+                           kv_cache_tensors=[KVCacheTensor(size=raw[n].numel(), shared_by=[n])
+                                             for n in specs])
+    fake = SimpleNamespace(kv_cache_config=config, runner_only_attn_layers=set(),
+                           _kv_cache_spec_attn_group_iterator=lambda: iter(groups))
+    return GPUModelRunner._reshape_kv_cache_tensors(fake, raw, [cc.BLOCK_SIZE] * len(groups))
+
+
+def same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.data_ptr(), tuple(a.shape), a.stride(), a.dtype) == (
+        b.data_ptr(), tuple(b.shape), b.stride(), b.dtype)
+
+
+def test_overlay_is_in_use():
+    import vllm.v1.worker.gpu_model_runner as gmr
+
+    if _OVERLAY:
+        assert gmr.__file__.startswith(_OVERLAY), gmr.__file__
+
+
+# ---- the runner and bind_kv_cache --------------------------------------------------------
+
+
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+def test_runner_keeps_one_page_tensor(config):
+    spec = mamba_spec(config)
+    raw = torch.zeros(NUM_BLOCKS * spec.page_size_bytes, dtype=torch.int8)
+    page = runner_reshape({"mamba": raw}, {"mamba": spec})["mamba"]
+    assert isinstance(page, torch.Tensor), type(page).__name__
+    assert tuple(page.shape) == (NUM_BLOCKS, 1, 1, spec.page_size_bytes)
+    assert page.dtype == torch.int8 and page.data_ptr() == raw.data_ptr()
+    assert page.stride() == (spec.page_size_bytes,) * 3 + (1,)
+
+
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+def test_bound_views_identical_to_0251(config):
+    """bind_kv_cache on the runner's page tensor gives 0.25.1's views: same data_ptr, shape,
+    stride and dtype, state by state (page padding and a size-1 dim included)."""
+    spec = mamba_spec(config)
+    raw = torch.zeros(NUM_BLOCKS * spec.page_size_bytes, dtype=torch.int8)
+    page = runner_reshape({"mamba": raw}, {"mamba": spec})["mamba"]
+    layer = TinyMamba(spec.shapes, spec.dtypes)
+    layer.bind_kv_cache(page)
+    ref = bind_worker.reference_0251_views(raw, spec)
+    assert isinstance(layer.kv_cache, tuple) and len(layer.kv_cache) == len(ref)
+    for got, want in zip(layer.kv_cache, ref):
+        assert same_view(got, want), (got.data_ptr() - raw.data_ptr(), got.shape, got.stride(),
+                                      want.data_ptr() - raw.data_ptr(), want.shape, want.stride())
+    # the views alias the pages: a write through a state lands in its block's page
+    layer.kv_cache[-1][2].fill_(1)
+    assert page[2].count_nonzero() > 0 and page[1].count_nonzero() == 0
+
+
+def test_mrv2_reshape_keeps_one_page_tensor():
+    """Model runner V2 (`vllm/v1/worker/gpu/attn_utils.py`) builds the same page tensor."""
+    from vllm.v1.worker.gpu.attn_utils import _reshape_kv_cache
+
+    spec = mamba_spec("gdn_padded")
+    raw = torch.zeros(NUM_BLOCKS * spec.page_size_bytes, dtype=torch.int8)
+    group = SimpleNamespace(kv_cache_spec=spec, backend=None, kv_cache_group_id=0,
+                            layer_names=["mamba"])
+    out = _reshape_kv_cache(attn_groups=[group], kv_cache_raw_tensors={"mamba": raw},
+                            cache_dtype="auto", kernel_block_sizes=[cc.BLOCK_SIZE],
+                            shared_kv_cache_layers={})
+    page = out["mamba"]
+    assert isinstance(page, torch.Tensor), type(page).__name__
+    assert tuple(page.shape) == (NUM_BLOCKS, 1, 1, spec.page_size_bytes)
+    assert page.data_ptr() == raw.data_ptr()
+
+
+def test_worker_bind_kv_cache_goes_through_the_layers():
+    from vllm.v1.worker.utils import bind_kv_cache
+
+    spec = mamba_spec("gdn_padded")
+    raw = torch.zeros(NUM_BLOCKS * spec.page_size_bytes, dtype=torch.int8)
+    page = raw.view(NUM_BLOCKS, 1, 1, spec.page_size_bytes)
+    attn_cache = cc.packed_cache("HND")
+    mamba, attn = TinyMamba(spec.shapes, spec.dtypes), TinyAttention()
+    runner_list: list = []
+    bind_kv_cache({"model.layers.0.linear_attn": page, "model.layers.1.self_attn.attn": attn_cache},
+                  {"model.layers.0.linear_attn": mamba, "model.layers.1.self_attn.attn": attn},
+                  runner_list)
+    assert attn.kv_cache is attn_cache  # attention: the view as is
+    assert runner_list[0] is page and runner_list[1] is attn_cache  # one tensor per layer
+    for got, want in zip(mamba.kv_cache, bind_worker.reference_0251_views(raw, spec)):
+        assert same_view(got, want)
+
+
+def test_mamba_bind_refuses_other_caches():
+    spec = mamba_spec("gdn_padded")
+    layer = TinyMamba(spec.shapes, spec.dtypes)
+    views = bind_worker.reference_0251_views(
+        torch.zeros(NUM_BLOCKS * spec.page_size_bytes, dtype=torch.int8), spec)
+    with pytest.raises(TypeError):
+        layer.bind_kv_cache(views)  # the 0.25.1 [conv, ssm] list
+    with pytest.raises(TypeError):
+        layer.bind_kv_cache(torch.zeros(NUM_BLOCKS, 1, 1, spec.page_size_bytes // 2,
+                                        dtype=torch.float16))
+    with pytest.raises(ValueError):  # page smaller than the states
+        layer.bind_kv_cache(torch.zeros(NUM_BLOCKS, 1, 1, 1024, dtype=torch.int8))
+
+
+# ---- transfer regions and connectors ----------------------------------------------------
+
+
+def test_get_transfer_cache_regions_is_gone():
+    assert not hasattr(kv_utils.TransferTopology, "get_transfer_cache_regions")
+
+
+@pytest.mark.parametrize("backend", ["packed", "blocks_first", "CPU_ATTN"])
+def test_mamba_layer_one_region(backend):
+    """A Mamba layer is one region: base = page 0 (the conv view's data_ptr, what 0.25.1
+    registered), block stride = the page, length = num_blocks pages."""
+    spec = mamba_spec("gdn_padded")
+    raw = torch.zeros(NUM_BLOCKS * spec.page_size_bytes, dtype=torch.int8)
+    page = runner_reshape({"mamba": raw}, {"mamba": spec})["mamba"]
+    conv_0251 = bind_worker.reference_0251_views(raw, spec)[0]
+    be = {"packed": cc.PackedBackend, "blocks_first": cc.BlocksFirstBackend}.get(backend)
+    topo = cc.topo(be or cc.real_backend(backend), is_mamba=True)
+    region = kv_utils.mamba_transfer_region(page, spec)
+    assert region is page
+    assert region.data_ptr() == conv_0251.data_ptr() == raw.data_ptr()
+    assert region.stride(0) * region.element_size() == spec.page_size_bytes
+    assert region.shape[0] * region.stride(0) == NUM_BLOCKS * spec.page_size_bytes
+    # NIXL still splits a Mamba block into conv/ssm sub-regions from the spec
+    assert topo.virtually_split_kv_in_blocks
+    with pytest.raises(ValueError):
+        kv_utils.mamba_transfer_region(list(bind_worker.reference_0251_views(raw, spec)), spec)
+
+
+@pytest.mark.parametrize("order", ["HND", "NHD"])
+def test_attention_layer_one_region_in_hybrid(order):
+    topo = cc.topo(cc.PackedBackend, is_mamba=True)
+    cache = cc.packed_cache(order)
+    regions = topo.attention_transfer_regions(cache)
+    assert len(regions) == 1 and regions[0] is cache
+    assert cache.stride(0) * cache.element_size() == cc.BLOCK_BYTES
+    assert cache.untyped_storage().nbytes() == NUM_BLOCKS * cc.BLOCK_BYTES
+    # the 0.25.1 5-D layouts keep their regions (here: K and V for (2, B, ...))
+    kv_first = torch.zeros(2, NUM_BLOCKS, cc.BLOCK_SIZE, cc.NUM_HEADS, cc.HEAD_SIZE)
+    assert len(cc.topo(cc.KVFirstBackend).attention_transfer_regions(kv_first)) == 2
+
+
+def test_mooncake_hybrid_one_region_per_layer():
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake import mooncake_connector as mc
+
+    spec = mamba_spec("gdn_padded")
+    raw = torch.zeros(NUM_BLOCKS * spec.page_size_bytes, dtype=torch.int8)
+    page = raw.view(NUM_BLOCKS, 1, 1, spec.page_size_bytes)
+    attn = cc.packed_cache("HND")
+    caches = {"model.layers.0.linear_attn": page, "model.layers.1.self_attn.attn": attn}
+    specs = {"model.layers.0.linear_attn": spec, "model.layers.1.self_attn.attn": cc.SPEC}
+    w = object.__new__(mc.MooncakeConnectorWorker)
+    for k, v in dict(use_mla=False, transfer_topo=cc.topo(cc.PackedBackend, is_mamba=True),
+                     _layer_specs=specs, _layer_group_indices={"model.layers.0.linear_attn": 0,
+                                                               "model.layers.1.self_attn.attn": 1},
+                     engine=MagicMock(), is_kv_consumer=True, is_kv_producer=True,
+                     async_zmq_ctx=MagicMock()).items():
+        setattr(w, k, v)
+    w.engine.batch_register_memory.return_value = 0
+    w.register_kv_caches(caches)
+    assert w.kv_caches_base_addr == [raw.data_ptr(), attn.data_ptr()]
+    assert w.block_len_per_layer == [spec.page_size_bytes, cc.BLOCK_BYTES]
+    assert w.kv_block_len_per_layer == [spec.page_size_bytes, cc.BLOCK_BYTES]
+    (_ptrs, lens), _ = w.engine.batch_register_memory.call_args
+    assert lens == [NUM_BLOCKS * spec.page_size_bytes, NUM_BLOCKS * cc.BLOCK_BYTES]
+
+
+def test_offloading_mamba_page():
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import (
+        OffloadingConnectorWorker,
+    )
+
+    spec = mamba_spec("gdn_padded")
+    raw = torch.zeros(NUM_BLOCKS * spec.page_size_bytes, dtype=torch.int8)
+    page = raw.view(NUM_BLOCKS, 1, 1, spec.page_size_bytes)
+    config = KVCacheConfig(num_blocks=NUM_BLOCKS,
+                           kv_cache_tensors=[KVCacheTensor(size=raw.numel(), shared_by=["m"])],
+                           kv_cache_groups=[KVCacheGroupSpec(["m"], spec)])
+    got = {}
+    worker_spec = SimpleNamespace(kv_cache_config=config,
+                                  get_worker=lambda kv: got.setdefault("kv", kv) and MagicMock())
+    OffloadingConnectorWorker(worker_spec).register_kv_caches({"m": page})
+    (canon,) = got["kv"].tensors
+    assert canon.tensor.data_ptr() == raw.data_ptr()
+    assert tuple(canon.tensor.shape) == (NUM_BLOCKS, spec.page_size_bytes)
+    assert canon.tensor.stride() == (spec.page_size_bytes, 1)

@@ -1,0 +1,226 @@
+"""Issue 3, step [3/N]: layers bind their KV cache, Mamba pages are one tensor (pending patch).
+
+The patch (patches/pending/vllm, subject "bind_kv_cache: one KV cache tensor per layer") makes
+vLLM 0.25.1's runner hand every layer one tensor through `AttentionLayerBase.bind_kv_cache`;
+Mamba layers get their pages as one (num_blocks, 1, 1, page_size_bytes) int8 tensor and derive
+their conv/ssm views from it; `TransferTopology.get_transfer_cache_regions` is gone.
+
+When the patch is not applied to the venv, the files it touches come from a temporary copy of
+the installed ones with the pending patches that touch them applied in series order (a
+meta-path finder puts them in front of the installed modules; the shared venv is never
+modified). Checks:
+- end to end on the CPU engine (each run in its own process): the tiny Qwen3-Next (GDN +
+  attention) and the tiny Llama give identical greedy tokens with the patched copy and with
+  the installed vLLM; the Mamba views the engine bound are 0.25.1's (data_ptr, shape, stride,
+  dtype), and the CPU runner inherits the patched `_reshape_kv_cache_tensors`;
+- bind_cases.py (one subprocess): the views, the runners (V1, V2), `bind_kv_cache`, transfer
+  regions for a Mamba and an attention layer, Mooncake and offloading registration; and the
+  same cases on the unpatched venv as a negative control (they must fail there).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+from test_transfer_topology_packed import installed_root, series_patches, touched
+
+pytestmark = pytest.mark.env
+
+HERE = Path(__file__).resolve().parent
+WORKER = HERE / "bind_worker.py"
+CASES = HERE / "bind_cases.py"
+SUBJECT = "bind_kv_cache: one KV cache tensor per layer"
+MARKER = ("vllm/model_executor/layers/attention_layer_base.py", "def bind_kv_cache(")
+ENV_KEYS = ("KVSTACK_BIND_OVERLAY", "KVSTACK_CONNECTOR_OVERLAY")
+# Cases that hold on 0.25.1 as well (the rest must fail there).
+UNPATCHED_PASS = {"test_overlay_is_in_use"}
+
+
+def find_patch() -> Path:
+    for path in series_patches():
+        head = path.read_text().split("\n---\n", 1)[0]
+        if SUBJECT in " ".join(head.split()):
+            return path
+    pytest.fail(f"no patch '{SUBJECT}' in the vllm series", pytrace=False)
+
+
+def build_overlay(root: Path, dest: Path) -> Path:
+    """Copies of the installed files the patch touches, with every series patch up to it that
+    touches one of them applied in order."""
+    patch = find_patch()
+    files = set(touched(patch))
+    chain = []
+    for p in series_patches():
+        if p == patch:
+            chain.append(p)
+            break
+        if files & set(touched(p)):
+            chain.append(p)
+    for p in chain:
+        for rel in touched(p):
+            if rel.startswith("vllm/") and not (dest / rel).exists():
+                (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+                (dest / rel).write_bytes((root / rel).read_bytes())
+    present = sorted(str(f.relative_to(dest)) for f in dest.rglob("*.py"))
+    for p in chain:
+        res = subprocess.run(["git", "apply", "-p1", *[f"--include={r}" for r in present], str(p)],
+                             cwd=dest, capture_output=True, text=True)
+        assert res.returncode == 0, f"{p.name} does not apply to {root}: {res.stderr}"
+    return dest
+
+
+@pytest.fixture(scope="module")
+def overlay(tmp_path_factory) -> Path | None:
+    root = installed_root()
+    if MARKER[1] in (root / MARKER[0]).read_text():
+        return None  # the series is applied to the venv: test it as it is
+    return build_overlay(root, tmp_path_factory.mktemp("bind-overlay"))
+
+
+def clean_env(overlay_dir: Path | None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ENV_KEYS}
+    if overlay_dir is not None:
+        env["KVSTACK_BIND_OVERLAY"] = str(overlay_dir)
+    return env
+
+
+def run_cases(tmp: Path, overlay_dir: Path | None) -> dict[str, str]:
+    junit = tmp / "junit.xml"
+    res = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
+         f"--junitxml={junit}", "--rootdir", str(HERE), str(CASES)],
+        capture_output=True, text=True, env=clean_env(overlay_dir), cwd=HERE, timeout=600)
+    assert junit.exists(), f"inner run failed ({res.returncode}):\n{res.stdout[-4000:]}{res.stderr[-2000:]}"
+    out = {}
+    for case in ET.parse(junit).getroot().iter("testcase"):
+        bad = case.find("failure") if case.find("failure") is not None else case.find("error")
+        out[case.get("name", "")] = ("passed" if bad is None and case.find("skipped") is None
+                                     else f"{bad.get('message', '') if bad is not None else 'skipped'}"
+                                          f"\n{(bad.text or '')[-1500:] if bad is not None else ''}")
+    return out
+
+
+@pytest.fixture(scope="module")
+def cases(overlay, tmp_path_factory) -> dict[str, str]:
+    return run_cases(tmp_path_factory.mktemp("bind-cases"), overlay)
+
+
+def test_cases_all_pass(cases):
+    assert len(cases) >= 15, sorted(cases)
+    bad = {name: outcome for name, outcome in cases.items() if outcome != "passed"}
+    assert not bad, "\n".join(f"{k}: {v}" for k, v in bad.items())
+
+
+def test_cases_fail_without_the_patch(overlay, tmp_path):
+    """Negative control: on the installed vLLM 0.25.1 (no overlay) the [3/N] cases fail."""
+    if overlay is None:
+        pytest.skip("the series is applied to the venv: no unpatched vLLM to compare with")
+    got = run_cases(tmp_path, None)
+    passed = {name.split("[", 1)[0] for name, outcome in got.items() if outcome == "passed"}
+    assert passed == UNPATCHED_PASS, sorted(passed)
+
+
+# ---- end to end on the CPU engine ---------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def e2e(overlay, tiny_model_dir, tmp_path_factory):
+    """model -> {"patched": result, "unpatched": result}; one engine per process."""
+    tmp = tmp_path_factory.mktemp("bind-e2e")
+    runs: dict[str, dict[str, dict]] = {}
+    for model in ("qwen3next", "llama"):
+        model_dir = tiny_model_dir(model)
+        for label, ov in (("patched", overlay), ("unpatched", None)):
+            if overlay is None and label == "unpatched":
+                continue
+            out = tmp / f"{model}-{label}.json"
+            res = subprocess.run([sys.executable, str(WORKER), model, str(model_dir), str(out)],
+                                 capture_output=True, text=True, env=clean_env(ov), cwd=HERE,
+                                 timeout=600)
+            assert res.returncode == 0 and out.exists(), (
+                f"{model} {label} failed ({res.returncode}):\n{res.stdout[-3000:]}{res.stderr[-4000:]}")
+            runs.setdefault(model, {})[label] = json.loads(out.read_text())
+    return runs
+
+
+def strip_ptr(views: list[dict]) -> list[dict]:
+    return [{k: v for k, v in view.items() if k != "data_ptr"} for view in views]
+
+
+@pytest.mark.parametrize("model", ["qwen3next", "llama"])
+def test_e2e_greedy_tokens_identical(e2e, model):
+    runs = e2e[model]
+    if "unpatched" not in runs:
+        pytest.skip("the series is applied to the venv: no unpatched vLLM to compare with")
+    assert runs["patched"]["overlay"] and not runs["unpatched"]["overlay"]
+    assert runs["patched"]["tokens"] == runs["unpatched"]["tokens"]
+    assert all(len(t) == 12 for t in runs["patched"]["tokens"])
+
+
+def test_e2e_mamba_views_are_0251s(e2e):
+    """Qwen3-Next: every GDN layer's bound views are those 0.25.1 builds from the same
+    allocation (data_ptr, shape, stride, dtype), and the same as the unpatched engine's."""
+    runs = e2e["qwen3next"]
+    patched = runs["patched"]
+    assert patched["mamba"], "no Mamba layer in the tiny Qwen3-Next"
+    for name, layer in patched["mamba"].items():
+        assert layer["type"] == "tuple" and len(layer["views"]) == 2, name
+        assert layer["views"] == layer["reference_0251"], name
+        # the page is padded (here to the attention page): block stride = the page
+        assert layer["views"][0]["stride"][0] * 2 == layer["page_size_bytes"]  # bf16 conv
+    if "unpatched" in runs:
+        unpatched = runs["unpatched"]
+        assert sorted(unpatched["mamba"]) == sorted(patched["mamba"])
+        for name, layer in unpatched["mamba"].items():
+            assert layer["views"] == layer["reference_0251"], f"reference is not 0.25.1's: {name}"
+            assert strip_ptr(patched["mamba"][name]["views"]) == strip_ptr(layer["views"]), name
+        assert {k: strip_ptr([v]) for k, v in patched["attention"].items()} == {
+            k: strip_ptr([v]) for k, v in unpatched["attention"].items()}
+
+
+def test_e2e_runner_binds_one_tensor_per_layer(e2e):
+    """The CPU runner inherits the patched _reshape_kv_cache_tensors: with the patch every
+    runner KV cache is one tensor, Mamba pages (num_blocks, 1, 1, page) int8 starting at the
+    conv view; 0.25.1 keeps a [conv, ssm] list there."""
+    runs = e2e["qwen3next"]
+    patched = runs["patched"]
+    assert patched["runner_class"] == "CPUModelRunner" and patched["reshape_inherited"]
+    assert patched["has_bind_kv_cache"]
+    caches = patched["runner_kv_caches"]
+    assert all(c["kind"] == "tensor" for c in caches)
+    pages = [c for c in caches if c["dtype"] == "torch.int8"]
+    assert len(pages) == len(patched["mamba"])
+    conv_ptrs = {layer["views"][0]["data_ptr"] for layer in patched["mamba"].values()}
+    page_size = next(iter(patched["mamba"].values()))["page_size_bytes"]
+    for page in pages:
+        assert page["shape"][1:] == [1, 1, page_size] and page["data_ptr"] in conv_ptrs
+    if "unpatched" in runs:
+        assert sum(c["kind"] == "list" for c in runs["unpatched"]["runner_kv_caches"]) == len(pages)
+        assert not runs["unpatched"]["has_bind_kv_cache"]
+
+
+def test_patch_trailers_and_order():
+    patch = find_patch()
+    head = patch.read_text().split("\n---\n", 1)[0]
+    assert "From: kvstack <kvstack@localhost>" in head
+    assert ("Upstream-Status: Backport [https://github.com/vllm-project/vllm/pull/44456, "
+            "in vLLM 0.27.0]") in head
+    assert "Drop-When: the vLLM pin reaches 0.27.0" in head
+    assert "Kvstack-Issue: 3" in head
+    assert all(f.startswith("vllm/") and f.endswith(".py") for f in touched(patch))
+    # after the connector patch it builds on
+    names = [p.name for p in series_patches()]
+    connector = next(n for n in names if "kv_connector-one-transfer-region" in n)
+    assert names.index(connector) < names.index(patch.name)
+
+
+def test_patch_applies_to_sdist(tmp_path, pinned_tree):
+    """The -p1 stack up to this patch applies to the pristine sdist tree too."""
+    build_overlay(pinned_tree("vllm"), tmp_path / "sdist")
