@@ -1,0 +1,156 @@
+"""Issue 3, step 2/N for FLEX_ATTENTION: K and V packed into the content dim (kvstack patch).
+
+The patch changes the FlexAttention backend's KV cache from vLLM 0.25.1's
+(num_blocks, 2, block_size, num_kv_heads, head_size) to the standardized
+(num_blocks, num_kv_heads, block_size, 2 * head_size), always token-major (NHD) in memory,
+and recovers K/V as views (`split_packed_kv_cache`, `flatten_packed_kv_view`). It touches
+no compiled code.
+
+Checked on CPU (packed_backend_worker.py, one subprocess for all cases; see its docstring):
+- shape, stride orders with and without the cross-layer dimension (the same for both
+  layout settings, as in 0.25.1), blocks-first;
+- the K/V views: shape (B, N, H, D), strides of the packed cache, same storage, K at content
+  offset 0 and V at head_size; the flattened (tokens, H, D) views are views too;
+- refusal (ValueError) of a 0.25.1 5-D cache, a wrong content dim and a 3-D cache (by the
+  helper and by do_kv_cache_update), and of a head-major physical order when flattening;
+- round trip: the backend's own do_kv_cache_update writes K/V for some slots (padded with
+  slot -1) and they read back through the packed cache and through the views; other slots
+  and the bytes before the cache's storage offset stay zero (fp32, fp16, bf16);
+- end to end: FlexAttentionMetadataBuilder.build (the real method, on a stand-in builder
+  object), FlexAttentionImpl.forward and torch's compiled flex_attention (inductor, CPU)
+  over the packed cache, compared with a float64 torch reference (fp32, bf16; a prefill
+  and a decode on shuffled blocks).
+
+No fp8 case: FlexAttention supports no fp8 KV cache in 0.25.1 (checked: "fp8" is refused by
+supports_kv_cache_dtype) and the patch adds none.
+Not the real store kernel: the CPU wheel has no compiled `reshape_and_cache_flash`, which
+do_kv_cache_update calls as torch.ops._C_cache_ops.reshape_and_cache_flash. The worker
+registers a torch reference of the CUDA op's contract under that name (slot ->
+(slot // size(1), slot % size(1)), written through the views the backend passes, i.e.
+addressed by their strides as the kernel does). The attention itself is the real
+flex_attention, compiled for CPU (about 40 s here, on first run).
+
+Which backend module is tested: the installed one when the patch is applied to the venv,
+otherwise a temporary copy of the installed file with the patch applied (the shared venv
+is never modified).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.env
+
+REPO = Path(__file__).resolve().parents[3]
+HERE = Path(__file__).resolve().parent
+BACKEND = "flex_attention"
+TARGET = f"vllm/v1/attention/backends/{BACKEND}.py"
+SERIES_DIRS = [REPO / "patches" / "vllm", REPO / "patches" / "pending" / "vllm"]
+SUBJECT = "flex_attention: pack K and V into the content dim"
+MARKER = "FLEX_ATTENTION expects a packed KV cache"
+
+CASES = [
+    "shape_auto",
+    "no_fp8_cache",
+    "stride_orders",
+    "blocks_first_and_cross_layer",
+    "split_views",
+    "split_refuses_unpacked_cache",
+    "flatten_refuses_head_major_order",
+    *[f"store_NHD_{dtype}" for dtype in ("float32", "float16", "bfloat16")],
+    *[f"forward_NHD_{dtype}" for dtype in ("float32", "bfloat16")],
+]
+
+
+def find_patch() -> Path:
+    for series_dir in SERIES_DIRS:
+        series = series_dir / "series"
+        if not series.exists():
+            continue
+        for line in series.read_text().splitlines():
+            name = line.strip()
+            if name and not name.startswith("#") and (series_dir / name).exists():
+                text = (series_dir / name).read_text()
+                if SUBJECT in text and f"+++ b/{TARGET}" in text:
+                    return series_dir / name
+    pytest.fail(f"no patch '{SUBJECT}' in any of {[str(d) for d in SERIES_DIRS]}", pytrace=False)
+
+
+def installed_file() -> Path:
+    try:
+        import vllm
+    except ImportError as exc:
+        pytest.fail(f"vLLM is not importable with {sys.executable} ({exc}); run in the kvstack "
+                    "venv", pytrace=False)
+    return Path(vllm.__path__[0]).parent / TARGET
+
+
+def apply_to_copy(patch: Path, source_root: Path, dest: Path, *, check_only: bool = False) -> None:
+    """Apply `patch` (-p1, rooted at the upstream repo) to a copy of TARGET taken from source_root."""
+    (dest / TARGET).parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(source_root / TARGET, dest / TARGET)
+    cmd = ["git", "apply", "-p1", f"--include={TARGET}", str(patch)]
+    if check_only:
+        cmd.insert(2, "--check")
+    res = subprocess.run(cmd, cwd=dest, capture_output=True, text=True)
+    assert res.returncode == 0, f"{patch.name} does not apply to {source_root}: {res.stderr}"
+
+
+@pytest.fixture(scope="module")
+def patched_file(tmp_path_factory) -> Path:
+    installed = installed_file()
+    if MARKER in installed.read_text():
+        return installed  # the patch is applied to this environment
+    dest = tmp_path_factory.mktemp("patched-site")
+    apply_to_copy(find_patch(), installed.parents[4], dest)
+    return dest / TARGET
+
+
+@pytest.fixture(scope="module")
+def results(patched_file) -> dict:
+    res = subprocess.run(
+        [sys.executable, str(HERE / "packed_backend_worker.py"), BACKEND, str(patched_file)],
+        capture_output=True, text=True, env=dict(os.environ), timeout=900)
+    lines = res.stdout.strip().splitlines()
+    assert res.returncode == 0 and lines, f"worker failed ({res.returncode}):\n{res.stderr[-4000:]}"
+    return json.loads(lines[-1])
+
+
+def test_worker_ran_every_case(results):
+    assert sorted(results) == sorted(CASES)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_case(results, case):
+    got = results.get(case)
+    assert got is not None, f"worker did not report {case}"
+    assert got["ok"], got["detail"]
+
+
+def test_patch_applies_to_sdist_and_site_packages(tmp_path, pinned_tree):
+    """The same -p1 patch applies to the pristine sdist tree and to the installed package."""
+    patch = find_patch()
+    apply_to_copy(patch, pinned_tree("vllm"), tmp_path / "sdist", check_only=True)
+    installed = installed_file()
+    if MARKER not in installed.read_text():
+        apply_to_copy(patch, installed.parents[4], tmp_path / "site", check_only=True)
+
+
+def test_patch_trailers():
+    text = find_patch().read_text()
+    head = text.split("\n---\n", 1)[0]
+    assert "From: kvstack <kvstack@localhost>" in head
+    assert f"Subject: [PATCH] [kvstack] {SUBJECT}" in head
+    assert ("Upstream-Status: Backport [https://github.com/vllm-project/vllm/pull/44455, "
+            "in vLLM 0.26.0]") in head
+    assert "Drop-When: the vLLM pin reaches 0.26.0" in head
+    assert "Kvstack-Issue: 3" in head
+    touched = [line[6:] for line in text.splitlines() if line.startswith("+++ b/")]
+    assert touched == [TARGET], "the patch must touch only the FlexAttention backend"
