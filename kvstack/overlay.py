@@ -1,0 +1,105 @@
+"""Run an installed vLLM with extra patches applied, without modifying the installation.
+
+`build_overlay` copies the Python files a series of -p1 patches touches from an installed
+site-packages folder into a scratch folder and applies the patches there, in series order
+(all or nothing: `git apply` checks every hunk before writing). `install` (called in the child
+process before vLLM is imported) puts a meta-path finder in front of the installed package, so
+each overlaid module replaces the installed one and everything else (compiled extensions
+included) is imported from the installation as usual.
+
+Used by ci/gpu/check_layout.py (patched vs unpatched on the same wheel) and by tests that must
+not touch the shared venv. Environment variable of the child: KVSTACK_OVERLAY=<folder>.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ENV = "KVSTACK_OVERLAY"
+
+
+def series_patches(series_dir: Path) -> list[Path]:
+    """The patch files of `series_dir/series`, in order (comments and blank lines skipped)."""
+    out = []
+    for line in (series_dir / "series").read_text().splitlines():
+        name = line.split("#", 1)[0].strip()
+        if name:
+            path = series_dir / name
+            if not path.is_file():
+                raise FileNotFoundError(f"{series_dir}/series names {name}, which is not there")
+            out.append(path)
+    return out
+
+
+def touched_files(patch: Path) -> list[str]:
+    return [ln[6:] for ln in patch.read_text().splitlines() if ln.startswith("+++ b/")]
+
+
+def build_overlay(patches: list[Path], site_packages: Path, dest: Path) -> list[str]:
+    """Copy the files `patches` touch from `site_packages` to `dest` and apply them in order.
+    Returns the relative paths of the overlaid files. Raises RuntimeError naming the patch that
+    does not apply (dest is then incomplete: callers use a fresh folder)."""
+    if dest.exists():
+        shutil.rmtree(dest)
+    dest.mkdir(parents=True)
+    files: list[str] = []
+    for patch in patches:
+        for rel in touched_files(patch):
+            if rel in files or not rel.startswith("vllm/"):
+                continue  # tests/, docs/ ...: not part of the installed package
+            src = site_packages / rel
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            if src.exists():
+                shutil.copy2(src, dest / rel)
+            files.append(rel)
+    for patch in patches:
+        includes = [f"--include={rel}" for rel in touched_files(patch) if rel in files]
+        if not includes:
+            continue
+        res = subprocess.run(["git", "apply", "-p1", *includes, str(patch)], cwd=dest,
+                             capture_output=True, text=True)
+        if res.returncode != 0:
+            raise RuntimeError(f"{patch.name} does not apply to the files of {site_packages}: "
+                               f"{res.stderr.strip()}")
+    return files
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    def __init__(self, root: Path):
+        self.root = root
+
+    def find_spec(self, fullname, path=None, target=None):
+        if not fullname.startswith("vllm."):
+            return None
+        rel = fullname.replace(".", "/")
+        module = self.root / f"{rel}.py"
+        if module.is_file():
+            return importlib.util.spec_from_file_location(fullname, module)
+        package = self.root / rel / "__init__.py"
+        if package.is_file():  # its other submodules still come from the installation
+            installed = importlib.machinery.PathFinder.find_spec(fullname, path)
+            locations = [str(package.parent)]
+            if installed is not None and installed.submodule_search_locations:
+                locations += list(installed.submodule_search_locations)
+            return importlib.util.spec_from_file_location(
+                fullname, package, submodule_search_locations=locations)
+        return None
+
+
+def install(root: str | os.PathLike[str] | None = None) -> bool:
+    """Put the overlay in `root` (default: $KVSTACK_OVERLAY) in front of the installed vLLM.
+    Must run before vLLM is imported. Returns whether an overlay was installed."""
+    root = root or os.environ.get(ENV)
+    if not root:
+        return False
+    if any(m == "vllm" or m.startswith("vllm.") for m in sys.modules):
+        raise RuntimeError("kvstack.overlay.install() must run before vLLM is imported")
+    sys.meta_path.insert(0, _Finder(Path(root)))
+    return True
