@@ -1,0 +1,238 @@
+"""Issue 3, step 2/N for ROCM_AITER_FA, ROCM_AITER_UNIFIED_ATTN and TURBOQUANT (kvstack patches).
+
+The patches (pending 0009, 0010, 0011) move these backends' KV caches to the standardized
+blocks-first, head-major logical shape (num_blocks, num_kv_heads, block_size, content):
+- ROCM_AITER_FA and ROCM_AITER_UNIFIED_ATTN: vLLM 0.25.1's (B, 2, N, H, D) becomes
+  (B, H, N, 2D), K and V recovered as views by `split_packed_kv_cache`, no stride order
+  (physical = logical, as upstream 0.26.0); AITER's shuffle KV layout is refused by
+  ROCM_AITER_FA (it cannot live in the packed cache without an AITER kernel change);
+- TURBOQUANT: its quantized slot cache (B, N, H, slot) becomes (B, H, N, slot); the kernels
+  get the token-major view (`tq_token_major_view`); the store launcher passes the cache
+  tensor instead of `view(-1)`.
+ROCM_ATTN and HPC_ATTN keep their 0.25.1 layouts, as upstream 0.26.0 did.
+
+Checked on CPU by rocm_tq_worker.py, one subprocess per backend (see its docstring for what
+is real and what is a stand-in): shapes, stride orders, the views, refusals of non-packed
+caches (and of the shuffle mode), the cache-update paths through the backends' own methods
+(the compiled `reshape_and_cache_flash` and AITER's rope-and-cache by torch stand-ins; the
+TurboQuant Triton store and decode kernels for real, under TRITON_INTERPRET=1, compared byte
+for byte with the installed 0.25.1 launcher on a token-major cache), and the unified
+backend's forward() against a float64 reference (AITER's unified_attention by a torch
+stand-in). AITER is not installed (no ROCm): nothing here runs an AITER kernel.
+
+Which backend module is tested: the installed one when the patch is applied to the venv,
+otherwise a temporary copy of the installed files with the patch applied (the shared venv is
+never modified). Negative control: the same worker on the unpatched installed files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.env
+
+REPO = Path(__file__).resolve().parents[3]
+HERE = Path(__file__).resolve().parent
+PENDING = REPO / "patches" / "pending" / "vllm"
+SERIES_DIRS = [REPO / "patches" / "vllm", PENDING]
+BK = "vllm/v1/attention/backends"
+
+BACKENDS = {
+    "rocm_aiter_fa": dict(
+        subject="rocm_aiter_fa: pack K and V into the content dim",
+        targets=[f"{BK}/rocm_aiter_fa.py"],
+        marker="ROCM_AITER_FA expects a packed KV cache",
+        cases=["shape_and_block_size", "physical_order_is_logical", "split_views",
+               "split_refuses_unpacked_cache",
+               *[f"{kind}_{dt}" for dt in ("bfloat16", "float16", "fp8")
+                 for kind in ("store", "rope_store")],
+               "shuffle_mode_refused", "impl_builds_without_shuffle"],
+        # layout-independent cases, which also pass on the unpatched file
+        unpatched_pass={"physical_order_is_logical", "impl_builds_without_shuffle"},
+    ),
+    "rocm_aiter_unified_attn": dict(
+        subject="rocm_aiter_unified_attn: pack K and V into the content dim",
+        targets=[f"{BK}/rocm_aiter_unified_attn.py"],
+        marker="ROCM_AITER_UNIFIED_ATTN expects a packed KV cache",
+        cases=["shape_and_block_size", "physical_order_is_logical", "split_views",
+               "split_refuses_unpacked_cache",
+               *[f"{kind}_{dt}" for dt in ("bfloat16", "float16", "fp8")
+                 for kind in ("store", "rope_store")],
+               "forward_bfloat16", "forward_float16", "forward_fp8",
+               "no_stride_order_in_rocm_attn_parent"],
+        unpatched_pass={"physical_order_is_logical", "no_stride_order_in_rocm_attn_parent"},
+    ),
+    "turboquant_attn": dict(
+        subject="turboquant_attn: make the TurboQuant cache head-major",
+        targets=[f"{BK}/turboquant_attn.py", "vllm/v1/attention/ops/triton_turboquant_store.py"],
+        marker="TURBOQUANT expects a KV cache",
+        cases=["shape_head_major", "physical_order_is_logical", "token_major_view",
+               "refuses_unpacked_cache", "store_turboquant_4bit_nc", "store_turboquant_k8v4",
+               "decode_forward_turboquant_4bit_nc"],
+        unpatched_pass={"physical_order_is_logical"},
+        # the store/decode cases write out of bounds with the unpatched code (see worker)
+        unpatched_only=["shape_head_major", "physical_order_is_logical", "token_major_view",
+                        "refuses_unpacked_cache"],
+    ),
+}
+
+
+def unfold(text: str) -> str:
+    """The patch with folded mail headers (a long Subject continues on the next line) joined."""
+    head, sep, body = text.partition("\n\n")
+    return head.replace("\n ", " ") + sep + body
+
+
+def find_patch(backend: str) -> Path:
+    info = BACKENDS[backend]
+    for series_dir in SERIES_DIRS:
+        series = series_dir / "series"
+        if not series.exists():
+            continue
+        for line in series.read_text().splitlines():
+            name = line.strip()
+            if name and not name.startswith("#") and (series_dir / name).exists():
+                text = unfold((series_dir / name).read_text())
+                if info["subject"] in text and f"+++ b/{info['targets'][0]}" in text:
+                    return series_dir / name
+    pytest.fail(f"no patch '{info['subject']}' in any of {[str(d) for d in SERIES_DIRS]}",
+                pytrace=False)
+
+
+def site_root() -> Path:
+    try:
+        import vllm
+    except ImportError as exc:
+        pytest.fail(f"vLLM is not importable with {sys.executable} ({exc}); run in the "
+                    "kvstack venv", pytrace=False)
+    return Path(vllm.__path__[0]).parent
+
+
+def applied_to_venv(backend: str) -> bool:
+    return BACKENDS[backend]["marker"] in (site_root() / BACKENDS[backend]["targets"][0]).read_text()
+
+
+def apply_to_copy(patch: Path, targets: list[str], source_root: Path, dest: Path, *,
+                  check_only: bool = False) -> None:
+    """Apply `patch` (-p1) to copies of its target files taken from source_root."""
+    for target in targets:
+        (dest / target).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(source_root / target, dest / target)
+    cmd = ["git", "apply", "-p1", *[f"--include={t}" for t in targets], str(patch)]
+    if check_only:
+        cmd.insert(2, "--check")
+    res = subprocess.run(cmd, cwd=dest, capture_output=True, text=True)
+    assert res.returncode == 0, f"{patch.name} does not apply to {source_root}: {res.stderr}"
+
+
+def run_worker(backend: str, files: list[Path], only: list[str] | None = None) -> dict:
+    env = dict(os.environ)
+    if backend == "turboquant_attn":
+        env["TRITON_INTERPRET"] = "1"
+    if only:
+        env["KVSTACK_LAYOUT_CASES"] = ",".join(only)
+    res = subprocess.run(
+        [sys.executable, str(HERE / "rocm_tq_worker.py"), backend, *map(str, files)],
+        capture_output=True, text=True, env=env, timeout=900)
+    lines = res.stdout.strip().splitlines()
+    assert res.returncode == 0 and lines, f"worker failed ({res.returncode}):\n{res.stderr[-4000:]}"
+    out = json.loads(lines[-1])
+    out.pop("_meta", None)
+    return out
+
+
+_RESULTS: dict[str, dict] = {}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    def get(backend: str) -> dict:
+        if backend not in _RESULTS:
+            targets = BACKENDS[backend]["targets"]
+            if applied_to_venv(backend):
+                files = [site_root() / t for t in targets]
+            else:
+                dest = tmp_path_factory.mktemp(f"patched-{backend}")
+                apply_to_copy(find_patch(backend), targets, site_root(), dest)
+                files = [dest / t for t in targets]
+            _RESULTS[backend] = run_worker(backend, files)
+        return _RESULTS[backend]
+    return get
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_worker_ran_every_case(results, backend):
+    assert sorted(results(backend)) == sorted(BACKENDS[backend]["cases"])
+
+
+@pytest.mark.parametrize("backend,case", [(b, c) for b, info in BACKENDS.items()
+                                          for c in info["cases"]])
+def test_case(results, backend, case):
+    got = results(backend).get(case)
+    assert got is not None, f"worker did not report {case}"
+    assert got["ok"], got["detail"]
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_negative_control_unpatched_fails(backend):
+    """The same cases on the unpatched installed files fail, except the layout-independent ones."""
+    if applied_to_venv(backend):
+        pytest.skip("the patch is applied to this venv: no unpatched file to compare")
+    info = BACKENDS[backend]
+    only = info.get("unpatched_only")
+    # the unpatched turboquant_attn.py with the installed (unpatched) store launcher
+    files = [site_root() / info["targets"][0]]
+    got = run_worker(backend, files, only)
+    assert sorted(got) == sorted(only or info["cases"])
+    passed = {c for c, r in got.items() if r["ok"]}
+    assert passed == info["unpatched_pass"], f"unexpected results on the unpatched file: {passed}"
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_patch_applies_to_sdist_and_site_packages(tmp_path, pinned_tree, backend):
+    """The same -p1 patch applies to the pristine sdist tree and to the installed package."""
+    patch, targets = find_patch(backend), BACKENDS[backend]["targets"]
+    apply_to_copy(patch, targets, pinned_tree("vllm"), tmp_path / "sdist", check_only=True)
+    if not applied_to_venv(backend):
+        apply_to_copy(patch, targets, site_root(), tmp_path / "site", check_only=True)
+
+
+def touched(patch: Path) -> list[str]:
+    return [line[6:] for line in patch.read_text().splitlines() if line.startswith("+++ b/")]
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_patch_trailers_and_files(backend):
+    patch = find_patch(backend)
+    head = unfold(patch.read_text()).split("\n---\n", 1)[0]
+    assert "From: kvstack <kvstack@localhost>" in head
+    assert f"Subject: [PATCH] [kvstack] {BACKENDS[backend]['subject']}" in head
+    assert ("Upstream-Status: Backport [https://github.com/vllm-project/vllm/pull/44455, "
+            "in vLLM 0.26.0]") in head
+    assert "Drop-When: the vLLM pin reaches 0.26.0" in head
+    assert "Kvstack-Issue: 3" in head
+    assert touched(patch) == BACKENDS[backend]["targets"]
+
+
+def test_series_position_and_independence():
+    """0009-0011 sit right before 0005 and touch no file another pending patch touches,
+    so they apply after 0001-0004 and 0005 still applies after them."""
+    names = [line.strip() for line in (PENDING / "series").read_text().splitlines()
+             if line.strip() and not line.startswith("#")]
+    ours = [find_patch(b).name for b in BACKENDS]
+    i = names.index(ours[0])
+    assert names[i: i + 3] == ours
+    bind = [j for j, n in enumerate(names) if n.startswith("0005-")]
+    assert bind and bind[0] > i + 2, names
+    assert all(n[:4] < "0009" for n in names[:i]), names[:i]
+    mine = {f for b in BACKENDS for f in BACKENDS[b]["targets"]}
+    for name in names:
+        if name not in ours:
+            assert not mine & set(touched(PENDING / name)), name
