@@ -162,9 +162,47 @@ def plan_series(component: str, patches: list[Path], target: Path, installed_onl
             results.append(PatchResult(patch, OFFSET if offsets else APPLIES, offsets, skips))
         elif _git_apply(scratch, patch, skips, "--check", "--reverse").returncode == 0:
             results.append(PatchResult(patch, ALREADY, "", skips))
+        elif _applied_under_later(scratch, files, patches[patches.index(patch):], per_patch_skips):
+            results.append(PatchResult(patch, ALREADY, "", skips))
         else:
             results.append(PatchResult(patch, FAILS, _failure_detail(fwd.stderr), skips))
     return Plan(component, target, results, scratch, files)
+
+
+APPLIED_STAMP = ".kvstack-applied"  # in a fetched tree: digest of the stack applied to it
+
+
+def stack_digest(component: str) -> str:
+    """sha256 over the component's series: each patch's name and bytes, in order."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for patch in read_series(load_pin(component).series_dir):
+        h.update(patch.name.encode() + b"\0" + patch.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def _stale_stack(tree: Path, component: str) -> bool:
+    stamp = tree / APPLIED_STAMP
+    return stamp.is_file() and stamp.read_text().strip() != stack_digest(component)
+
+
+def _applied_under_later(scratch: Path, files: list[str], rest: list[Path],
+                         skips: dict[Path, list[str]]) -> bool:
+    """Whether rest[0] is applied although a later patch of the series changed some of its lines
+    (so it does not reverse-apply alone): true when rest[-1], ..., rest[0] all reverse-apply in
+    that order on a copy of the current state."""
+    if len(rest) < 2:
+        return False
+    with tempfile.TemporaryDirectory(prefix="kvstack-reverse-") as tmp:
+        for rel in files:
+            if (scratch / rel).is_file():
+                (Path(tmp) / rel).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(scratch / rel, Path(tmp) / rel)
+        for later in reversed(rest):
+            if _git_apply(Path(tmp), later, skips[later], "--reverse").returncode != 0:
+                return False
+    return True
 
 
 def files_not_applied(plan: Plan, patch: Path) -> list[str]:
@@ -306,6 +344,13 @@ exit codes:
                 print(f"error: {tree} does not exist; run scripts/fetch_sources.sh first", file=sys.stderr)
                 return EXIT_USAGE
             targets[c] = tree
+            if not args.check and not args.series_dir and _stale_stack(tree, c):
+                # The tree carries an older version of the stack (kvstack was updated since the
+                # last apply): start again from the verified sdist, as a fresh clone would.
+                from kvstack.fetch import fetch
+
+                print(f"note: {tree} carries an older patch stack; unpacking the pinned sdist again")
+                fetch(load_pin(c), force=True)
     if args.series_dir and len(components) != 1:
         parser.error("--series-dir needs exactly one component")
 
@@ -338,6 +383,8 @@ exit codes:
         for plan in plans:
             use_git = bool(args.target) and not args.no_commit and _is_clean_git_checkout(plan.target)
             commit_plan(plan, use_git)
+            if not (args.target or installed or args.series_dir):
+                (plan.target / APPLIED_STAMP).write_text(stack_digest(plan.component) + "\n")
         applied = sum(r.state in (APPLIES, OFFSET) for p in plans for r in p.results)
         already = sum(r.state == ALREADY for p in plans for r in p.results)
         print(f"applied {applied} patch(es), {already} already applied")

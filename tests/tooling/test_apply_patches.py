@@ -127,3 +127,43 @@ def test_help_documents_exit_codes():
     res = run_script("apply_patches.sh", "--help", check=True)
     for code in ("0 ", "1 ", "2 ", "3 "):
         assert f"\n  {code}" in res.stdout
+
+
+def test_later_patch_rewriting_an_earlier_ones_lines_is_idempotent(small_tree, tmp_path, pinned_tree):
+    """Patch 2 changes a line patch 1 added (the layout ladder's 3/N does this to the connector
+    patch): patch 1 then no longer reverse-applies alone, yet the second run must find both
+    applied (by reversing 2, then 1), not report 1 as failing."""
+    src = pinned_tree("vllm")
+    first = make_patch(tmp_path, "vllm/envs.py", "import os\n", "import os  # step 1\n", "step 1", src)
+    stepped = tmp_path / "stepped"
+    (stepped / "vllm").mkdir(parents=True)
+    (stepped / "vllm/envs.py").write_text((src / "vllm/envs.py").read_text().replace(
+        "import os\n", "import os  # step 1\n", 1))
+    second = make_patch(tmp_path, "vllm/envs.py", "import os  # step 1\n", "import os  # step 2\n",
+                        "step 2", stepped)
+    series = write_series(tmp_path, "stack", {"0001-step1.patch": first, "0002-step2.patch": second})
+    args = ("--target", small_tree, "--series-dir", series, "--component", "vllm")
+    run_script("apply_patches.sh", *args, check=True)
+    assert "import os  # step 2\n" in (small_tree / "vllm/envs.py").read_text()
+    after = tree_digest(small_tree)
+    again = run_script("apply_patches.sh", *args)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert again.stdout.count(": already applied") == 2, again.stdout
+    assert tree_digest(small_tree) == after
+
+
+def test_fetched_tree_with_an_older_stack_is_unpacked_again(pinned_tree):
+    """After kvstack is updated (a patch changed), the fetched tree still carries the old
+    version, which the new one would not apply over: apply notices (stamp of the stack it
+    applied), unpacks the verified sdist again and applies the current stack."""
+    from kvstack.patchstack import APPLIED_STAMP, stack_digest
+
+    tree = pinned_tree("lmcache")
+    run_script("apply_patches.sh", "--component", "lmcache", check=True)
+    (tree / APPLIED_STAMP).write_text("0" * 64 + "\n")  # as if an older stack had been applied
+    res = run_script("apply_patches.sh", "--component", "lmcache")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "carries an older patch stack" in res.stdout
+    assert (tree / APPLIED_STAMP).read_text().strip() == stack_digest("lmcache")
+    again = run_script("apply_patches.sh", "--component", "lmcache", check=True)
+    assert "older patch stack" not in again.stdout and "0 patch(es)" in again.stdout
