@@ -37,22 +37,17 @@ is never modified).
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
+from single_file_patch import (check_applies_to_sdist_and_site, check_trailers, patched_file,
+                               run_worker)
+
 pytestmark = pytest.mark.env
 
-REPO = Path(__file__).resolve().parents[3]
-HERE = Path(__file__).resolve().parent
 BACKEND = "flex_attention"
 TARGET = f"vllm/v1/attention/backends/{BACKEND}.py"
-SERIES_DIRS = [REPO / "patches" / "vllm", REPO / "patches" / "pending" / "vllm"]
 SUBJECT = "flex_attention: pack K and V into the content dim"
 MARKER = "FLEX_ATTENTION expects a packed KV cache"
 
@@ -69,58 +64,10 @@ CASES = [
 ]
 
 
-def find_patch() -> Path:
-    for series_dir in SERIES_DIRS:
-        series = series_dir / "series"
-        if not series.exists():
-            continue
-        for line in series.read_text().splitlines():
-            name = line.strip()
-            if name and not name.startswith("#") and (series_dir / name).exists():
-                text = (series_dir / name).read_text()
-                if SUBJECT in text and f"+++ b/{TARGET}" in text:
-                    return series_dir / name
-    pytest.fail(f"no patch '{SUBJECT}' in any of {[str(d) for d in SERIES_DIRS]}", pytrace=False)
-
-
-def installed_file() -> Path:
-    try:
-        import vllm
-    except ImportError as exc:
-        pytest.fail(f"vLLM is not importable with {sys.executable} ({exc}); run in the kvstack "
-                    "venv", pytrace=False)
-    return Path(vllm.__path__[0]).parent / TARGET
-
-
-def apply_to_copy(patch: Path, source_root: Path, dest: Path, *, check_only: bool = False) -> None:
-    """Apply `patch` (-p1, rooted at the upstream repo) to a copy of TARGET taken from source_root."""
-    (dest / TARGET).parent.mkdir(parents=True, exist_ok=True)
-    shutil.copy2(source_root / TARGET, dest / TARGET)
-    cmd = ["git", "apply", "-p1", f"--include={TARGET}", str(patch)]
-    if check_only:
-        cmd.insert(2, "--check")
-    res = subprocess.run(cmd, cwd=dest, capture_output=True, text=True)
-    assert res.returncode == 0, f"{patch.name} does not apply to {source_root}: {res.stderr}"
-
-
 @pytest.fixture(scope="module")
-def patched_file(tmp_path_factory) -> Path:
-    installed = installed_file()
-    if MARKER in installed.read_text():
-        return installed  # the patch is applied to this environment
-    dest = tmp_path_factory.mktemp("patched-site")
-    apply_to_copy(find_patch(), installed.parents[4], dest)
-    return dest / TARGET
-
-
-@pytest.fixture(scope="module")
-def results(patched_file) -> dict:
-    res = subprocess.run(
-        [sys.executable, str(HERE / "packed_backend_worker.py"), BACKEND, str(patched_file)],
-        capture_output=True, text=True, env=dict(os.environ), timeout=900)
-    lines = res.stdout.strip().splitlines()
-    assert res.returncode == 0 and lines, f"worker failed ({res.returncode}):\n{res.stderr[-4000:]}"
-    return json.loads(lines[-1])
+def results(tmp_path_factory) -> dict:
+    target = patched_file(tmp_path_factory.mktemp("patched-site"), SUBJECT, TARGET, MARKER)
+    return run_worker(["packed_backend_worker.py", BACKEND, str(target)], dict(os.environ))
 
 
 def test_worker_ran_every_case(results):
@@ -136,21 +83,8 @@ def test_case(results, case):
 
 def test_patch_applies_to_sdist_and_site_packages(tmp_path, pinned_tree):
     """The same -p1 patch applies to the pristine sdist tree and to the installed package."""
-    patch = find_patch()
-    apply_to_copy(patch, pinned_tree("vllm"), tmp_path / "sdist", check_only=True)
-    installed = installed_file()
-    if MARKER not in installed.read_text():
-        apply_to_copy(patch, installed.parents[4], tmp_path / "site", check_only=True)
+    check_applies_to_sdist_and_site(SUBJECT, TARGET, MARKER, pinned_tree("vllm"), tmp_path)
 
 
 def test_patch_trailers():
-    text = find_patch().read_text()
-    head = text.split("\n---\n", 1)[0]
-    assert "From: kvstack <kvstack@localhost>" in head
-    assert f"Subject: [PATCH] [kvstack] {SUBJECT}" in head
-    assert ("Upstream-Status: Backport [https://github.com/vllm-project/vllm/pull/44455, "
-            "in vLLM 0.26.0]") in head
-    assert "Drop-When: the vLLM pin reaches 0.26.0" in head
-    assert "Kvstack-Issue: 3" in head
-    touched = [line[6:] for line in text.splitlines() if line.startswith("+++ b/")]
-    assert touched == [TARGET], "the patch must touch only the FlexAttention backend"
+    check_trailers(SUBJECT, TARGET)

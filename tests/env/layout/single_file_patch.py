@@ -1,0 +1,99 @@
+"""Shared by the layout tests of one-file backend patches (triton_attn, flash_attn,
+flex_attention): find the patch in the series folders, apply it to a copy of the installed
+backend file (the shared venv is never modified), run the worker that checks it in a subprocess,
+and check the patch's trailers."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[3]
+HERE = Path(__file__).resolve().parent
+SERIES_DIRS = [REPO / "patches" / "vllm", REPO / "patches" / "pending" / "vllm"]
+
+
+def find_patch(subject: str, target: str) -> Path:
+    """The series patch whose text names `subject` and changes `target`."""
+    for series_dir in SERIES_DIRS:
+        series = series_dir / "series"
+        if not series.exists():
+            continue
+        for line in series.read_text().splitlines():
+            name = line.strip()
+            if name and not name.startswith("#") and (series_dir / name).exists():
+                text = (series_dir / name).read_text()
+                if subject in text and f"+++ b/{target}" in text:
+                    return series_dir / name
+    pytest.fail(f"no patch '{subject}' in any of {[str(d) for d in SERIES_DIRS]}", pytrace=False)
+
+
+def installed_file(target: str) -> Path:
+    try:
+        import vllm
+    except ImportError as exc:
+        pytest.fail(f"vLLM is not importable with {sys.executable} ({exc}); run in the kvstack "
+                    "venv", pytrace=False)
+    return Path(vllm.__path__[0]).parent / target
+
+
+def apply_to_copy(patch: Path, source_root: Path, dest: Path, target: str, *,
+                  check_only: bool = False) -> None:
+    """Apply `patch` (-p1, rooted at the upstream repo) to a copy of `target` from source_root."""
+    (dest / target).parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(source_root / target, dest / target)
+    cmd = ["git", "apply", "-p1", f"--include={target}", str(patch)]
+    if check_only:
+        cmd.insert(2, "--check")
+    res = subprocess.run(cmd, cwd=dest, capture_output=True, text=True)
+    assert res.returncode == 0, f"{patch.name} does not apply to {source_root}: {res.stderr}"
+
+
+def patched_file(tmp_dir: Path, subject: str, target: str, applied_marker: str) -> Path:
+    """The installed file when the patch is applied to this environment (its text holds
+    `applied_marker`), else a patched copy under tmp_dir."""
+    installed = installed_file(target)
+    if applied_marker in installed.read_text():
+        return installed
+    apply_to_copy(find_patch(subject, target), installed.parents[4], tmp_dir, target)
+    return tmp_dir / target
+
+
+def run_worker(args: list[str], env: dict[str, str]) -> dict:
+    """Run a worker script (HERE/args[0] + its arguments); its last stdout line is JSON."""
+    res = subprocess.run([sys.executable, str(HERE / args[0]), *args[1:]], capture_output=True,
+                         text=True, env=env, timeout=900)
+    lines = res.stdout.strip().splitlines()
+    assert res.returncode == 0 and lines, f"worker failed ({res.returncode}):\n{res.stderr[-4000:]}"
+    return json.loads(lines[-1])
+
+
+def check_applies_to_sdist_and_site(subject: str, target: str, applied_marker: str,
+                                    sdist: Path, tmp_path: Path) -> None:
+    """The same -p1 patch applies to the pristine sdist tree and to the installed package."""
+    patch = find_patch(subject, target)
+    apply_to_copy(patch, sdist, tmp_path / "sdist", target, check_only=True)
+    installed = installed_file(target)
+    if applied_marker not in installed.read_text():
+        apply_to_copy(patch, installed.parents[4], tmp_path / "site", target, check_only=True)
+
+
+def check_trailers(subject: str, target: str, *, subject_line: bool = True) -> None:
+    """kvstack's From, the subject, the 2/N Upstream-Status and Drop-When, the issue, and only
+    `target` touched (no compiled code)."""
+    text = find_patch(subject, target).read_text()
+    head = text.split("\n---\n", 1)[0]
+    assert "From: kvstack <kvstack@localhost>" in head
+    if subject_line:
+        assert f"Subject: [PATCH] [kvstack] {subject}" in head
+    assert ("Upstream-Status: Backport [https://github.com/vllm-project/vllm/pull/44455, "
+            "in vLLM 0.26.0]") in head
+    assert "Drop-When: the vLLM pin reaches 0.26.0" in head
+    assert "Kvstack-Issue: 3" in head
+    touched = [line[6:] for line in text.splitlines() if line.startswith("+++ b/")]
+    assert touched == [target], f"the patch must touch only {target} (no compiled code)"
