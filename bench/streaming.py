@@ -127,8 +127,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--base", type=int, default=512, help="1x context in tokens")
     ap.add_argument("--ttft-context", type=int, default=1000)
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--reps", type=int, default=9)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=25)
     ap.add_argument("--reuse-prefix", type=int, default=4096,
                     help="shared prefix of the prefix-reuse figure (d), in tokens")
     ap.add_argument("--budget-blocks", type=int, default=16,

@@ -19,9 +19,9 @@ class _WorkerSide:
                                layout.num_kv_heads, layout.head_size, layout.dtype,
                                path=cfg.host_tier_path)
         self._by_slot: dict[int, ReqStep] = {}
-        # CPU: one-window histories go through vLLM's own CPU kernel (cpu_native.py); set to
-        # False for good the first time a layer is not on that backend.
-        self._native = cfg.cpu_native_attention
+        # CPU: one-window histories go through vLLM's own CPU kernel (cpu_native.py); decided
+        # at the first streaming layer (None: not yet), off when the layers use another backend.
+        self._native: bool | None = None if cfg.cpu_native_attention else False
 
     def begin_step(self, meta: StreamingMetadata) -> None:
         self._by_slot = {r.anchor_slot: r for r in meta.reqs}
@@ -42,13 +42,14 @@ class _WorkerSide:
                     f"kvstack streaming: cannot match batch segment {i} (slot {int(slots[a])}, "
                     f"{b - a} tokens) of {name} to a scheduled request")
             pages = r.pages
-            if r.start <= window and self._native:
+            if self._native is None:
+                self._native = cpu_native.usable(layer)
+            if self._native and r.start <= window:
                 # the whole history is one window: vLLM's own CPU kernel, no LSE merge needed
                 hk, hv = self.store.read(name, pages, 0, r.start) if r.start else (None, None)
-                self._native = cpu_native.attend_one_window(
-                    layer, query[a:b], hk, hv, key[a:b], value[a:b], output[a:b],
-                    self.layout.block_size)
-            if not (r.start <= window and self._native):
+                cpu_native.attend_one_window(layer, query[a:b], hk, hv, key[a:b], value[a:b],
+                                             output[a:b], self.layout.block_size)
+            else:
 
                 def history(s, e, _p=pages):
                     return self.store.read(name, _p, s, e)
