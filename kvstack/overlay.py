@@ -2,7 +2,9 @@
 
 `build_overlay` copies the Python files a series of -p1 patches touches from an installed
 site-packages folder into a scratch folder and applies the patches there, in series order
-(all or nothing: `git apply` checks every hunk before writing). `install` (called in the child
+(all or nothing: `git apply` checks every hunk before writing). With `reverse=True` it takes
+them out instead (last patch first): the files as they were before those patches, from an
+installation that has them applied. `install` (called in the child
 process before vLLM is imported) puts a meta-path finder in front of the installed package, so
 each overlaid module replaces the installed one and everything else (compiled extensions
 included) is imported from the installation as usual.
@@ -42,15 +44,27 @@ def touched_files(patch: Path) -> list[str]:
     return [ln[6:] for ln in patch.read_text().splitlines() if ln.startswith("+++ b/")]
 
 
-def build_overlay(patches: list[Path], site_packages: Path, dest: Path) -> list[str]:
-    """Copy the files `patches` touch from `site_packages` to `dest` and apply them in order.
-    Returns the relative paths of the overlaid files. Raises RuntimeError naming the patch that
-    does not apply (dest is then incomplete: callers use a fresh folder)."""
+def issue_patches(series_dir: Path, issue: str) -> list[Path]:
+    """The patches of `series_dir/series` whose header says `Kvstack-Issue: <issue>`, in order."""
+    out = []
+    for patch in series_patches(series_dir):
+        head = patch.read_text().split("\n---\n", 1)[0]
+        if any(ln.strip() == f"Kvstack-Issue: {issue}" for ln in head.splitlines()):
+            out.append(patch)
+    return out
+
+
+def build_overlay(patches: list[Path], site_packages: Path, dest: Path, *,
+                  reverse: bool = False, files_of: list[Path] | None = None) -> list[str]:
+    """Copy the files `patches` touch (or, when given, the files `files_of` touch) from
+    `site_packages` to `dest` and apply `patches` there in order (`reverse`: take them out,
+    last one first). Returns the relative paths of the overlaid files. Raises RuntimeError
+    naming the patch that does not apply (dest is then incomplete: callers use a fresh folder)."""
     if dest.exists():
         shutil.rmtree(dest)
     dest.mkdir(parents=True)
     files: list[str] = []
-    for patch in patches:
+    for patch in (patches if files_of is None else files_of):
         for rel in touched_files(patch):
             if rel in files or not rel.startswith("vllm/"):
                 continue  # tests/, docs/ ...: not part of the installed package
@@ -59,14 +73,16 @@ def build_overlay(patches: list[Path], site_packages: Path, dest: Path) -> list[
             if src.exists():
                 shutil.copy2(src, dest / rel)
             files.append(rel)
-    for patch in patches:
+    for patch in (reversed(patches) if reverse else patches):
         includes = [f"--include={rel}" for rel in touched_files(patch) if rel in files]
         if not includes:
             continue
-        res = subprocess.run(["git", "apply", "-p1", *includes, str(patch)], cwd=dest,
+        flags = ["-R"] if reverse else []
+        res = subprocess.run(["git", "apply", "-p1", *flags, *includes, str(patch)], cwd=dest,
                              capture_output=True, text=True)
         if res.returncode != 0:
-            raise RuntimeError(f"{patch.name} does not apply to the files of {site_packages}: "
+            how = "cannot be reversed on" if reverse else "does not apply to"
+            raise RuntimeError(f"{patch.name} {how} the files of {site_packages}: "
                                f"{res.stderr.strip()}")
     return files
 

@@ -25,3 +25,20 @@ def pinned_tree():
             run_script("fetch_sources.sh", component, check=True)
         return pin.tree
     return get
+
+
+@pytest.fixture(scope="session")
+def pristine_tree(tmp_path_factory):
+    """The pinned sdist of a component unpacked afresh (sha256-verified, no kvstack patch in it):
+    the fetched tree under vllm/upstream is patched in place by `make apply`."""
+    trees: dict[str, Path] = {}
+
+    def get(component: str) -> Path:
+        if component not in trees:
+            from kvstack.fetch import cached_sdist, extract_sdist
+
+            dest = tmp_path_factory.mktemp(f"pristine-{component}") / "tree"
+            extract_sdist(cached_sdist(load_pin(component)), dest)
+            trees[component] = dest
+        return trees[component]
+    return get

@@ -1,13 +1,19 @@
 #!/usr/bin/env python3
 """Patched vs unpatched, end to end, per attention backend: the KV-cache layout ladder (issue 3).
 
-For each attention backend and each tiny random-weight model (llama, llama4, qwen3next), run
-greedy generation twice, each in its own process: with the installed vLLM as it is (unpatched:
-without the layout patches) and with the layout patches overlaid on it (kvstack/overlay.py: the
-patched files are put in front of the installed package; nothing installed is modified). Prints
-identical/different per backend and model; the last line sums it up.
+The ladder is the patches of patches/vllm/series whose header says `Kvstack-Issue: 3`. For each
+attention backend and each tiny random-weight model (llama, llama4, qwen3next), run greedy
+generation twice, each in its own process: once with the ladder and once without it. Nothing
+installed is modified: one of the two sides is the installed vLLM as it is, the other one an
+overlay (kvstack/overlay.py: copies of the files the ladder touches, put in front of the
+installed package).
+  - vLLM with kvstack's whole series applied (the usual case: the kvstack venv or image):
+    the unpatched side is an overlay with the ladder taken out again (git apply -R).
+  - vLLM without the ladder (a pristine wheel, or one with only the earlier patches): the
+    patched side is an overlay with the ladder applied.
+Prints identical/different per backend and model; the last line sums it up.
 
-GPU machine: a venv or the cuda image with the pinned CUDA wheel and kvstack's main series
+GPU machine: a venv or the cuda image with the pinned CUDA wheel and kvstack's series
 (scripts/apply_patches.sh --site-packages ...), then
 
     python ci/gpu/check_layout.py                     # FLASH_ATTN, FLASHINFER, TRITON_ATTN
@@ -16,7 +22,7 @@ Without a GPU, `--backends CPU` runs the same comparison on vLLM's CPU engine (C
 tests/env/layout/test_gpu_check_script.py).
 
 Exit status: 0 every pair identical; 1 a pair differs or a run failed; 2 bad usage, or the
-patches do not apply to the installed vLLM (e.g. they are applied already).
+ladder neither applies to nor comes out of the installed vLLM.
 """
 
 from __future__ import annotations
@@ -60,8 +66,8 @@ def child(model: str, backend: str, work: Path, out: Path) -> None:
     os._exit(0)  # skip engine teardown: the result is written
 
 
-def run(model: str, backend: str, work: Path, overlay_dir: Path | None) -> list | str:
-    tag = "patched" if overlay_dir else "unpatched"
+def run(model: str, backend: str, work: Path, tag: str, overlay_dir: Path | None) -> list | str:
+    """One greedy run in a child process; `overlay_dir` (when set) is put in front of vLLM."""
     out = work / f"{backend}-{model}-{tag}.json"
     out.unlink(missing_ok=True)
     env = {k: v for k, v in os.environ.items() if k != "KVSTACK_OVERLAY"}
@@ -75,7 +81,7 @@ def run(model: str, backend: str, work: Path, overlay_dir: Path | None) -> list 
         return f"run failed ({tag}, exit {res.returncode}): {tail[0][:200]}"
     result = json.loads(out.read_text())
     if overlay_dir and not result["overlaid_modules"]:
-        return "run failed (patched): no overlaid module was imported"
+        return f"run failed ({tag}): no overlaid module was imported"
     return result["tokens"]
 
 
@@ -85,8 +91,10 @@ def main(argv=None) -> int:
     ap.add_argument("--backends", default=DEFAULT_BACKENDS,
                     help=f"comma-separated vLLM attention backends, or CPU (default {DEFAULT_BACKENDS})")
     ap.add_argument("--models", default=MODELS, help=f"comma-separated tiny models (default {MODELS})")
-    ap.add_argument("--series-dir", type=Path, default=ROOT / "patches" / "pending" / "vllm",
-                    help="the patches to overlay (default patches/pending/vllm, the layout ladder)")
+    ap.add_argument("--series-dir", type=Path, default=ROOT / "patches" / "vllm",
+                    help="the series holding the ladder (default patches/vllm)")
+    ap.add_argument("--issue", default="3",
+                    help="the ladder is the series' patches with this Kvstack-Issue (default 3)")
     ap.add_argument("--work", type=Path, default=ROOT / "build" / "gpu-check",
                     help="scratch folder: models, overlay, per-run results and logs")
     ap.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
@@ -105,22 +113,41 @@ def main(argv=None) -> int:
     site = Path(list(spec.submodule_search_locations)[0]).parent
     args.work.mkdir(parents=True, exist_ok=True)
     try:
-        patches = overlay.series_patches(args.series_dir)
-        files = overlay.build_overlay(patches, site, args.work / "overlay")
-    except (OSError, RuntimeError) as e:
-        print(f"error: {e}\n(are these patches applied to {site} already? compare against a vLLM "
-              "with kvstack's main series only)", file=sys.stderr)
+        patches = overlay.issue_patches(args.series_dir, args.issue)
+    except OSError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"vLLM at {site}; overlay: {len(patches)} patch(es) from {args.series_dir}, "
-          f"{len(files)} file(s)", flush=True)
+    if not patches:
+        print(f"error: no patch in {args.series_dir}/series says Kvstack-Issue: {args.issue}",
+              file=sys.stderr)
+        return 2
+    sides, problems = None, []
+    for reverse in (True, False):  # the ladder installed already, else not yet
+        try:
+            files = overlay.build_overlay(patches, site, args.work / "overlay", reverse=reverse)
+        except (OSError, RuntimeError) as e:
+            problems.append(str(e))
+            continue
+        sides = ({"unpatched": args.work / "overlay", "patched": None} if reverse
+                 else {"unpatched": None, "patched": args.work / "overlay"})
+        how = ("installed vLLM has the ladder; unpatched side = overlay with it taken out"
+               if reverse else "installed vLLM lacks the ladder; patched side = overlay with it")
+        break
+    if sides is None:
+        print("error: the ladder neither comes out of nor applies to the installed vLLM "
+              f"({site}); is it another version, or partly patched?\n  " + "\n  ".join(problems),
+              file=sys.stderr)
+        return 2
+    print(f"vLLM at {site}; ladder: {len(patches)} patch(es) of {args.series_dir}/series "
+          f"(Kvstack-Issue: {args.issue}), {len(files)} file(s); {how}", flush=True)
 
     failures = 0
     backends = [b for b in args.backends.split(",") if b]
     models = [m for m in args.models.split(",") if m]
     for backend in backends:
         for model in models:
-            base = run(model, backend, args.work, None)
-            patched = run(model, backend, args.work, args.work / "overlay")
+            base = run(model, backend, args.work, "unpatched", sides["unpatched"])
+            patched = run(model, backend, args.work, "patched", sides["patched"])
             if isinstance(base, str) or isinstance(patched, str):
                 verdict = base if isinstance(base, str) else patched
                 failures += 1

@@ -18,8 +18,8 @@ TRITON_INTERPRET=1. All of that is process-global, so it happens here, never in 
 process. The patched backend is loaded from the given file under a private module name;
 everything else comes from the installed vLLM. For TurboQuant the patched store launcher
 (`vllm.v1.attention.ops.triton_turboquant_store`, also touched by the patch) is loaded
-under its real name in this process only, after the installed one was imported as the
-reference.
+under its real name in this process only; the reference is 0.25.1's launcher (the 4th
+argument, a file, under a private name; else the installed one).
 
 What is real and what is a stand-in (no ROCm and no AITER here, CPU only):
 - real: the patched backends' get_kv_cache_shape / get_kv_cache_stride_order, their split
@@ -58,6 +58,7 @@ from types import MethodType, SimpleNamespace
 BACKEND = sys.argv[1]
 PATH = sys.argv[2]
 OPS_PATH = sys.argv[3] if len(sys.argv) > 3 else None
+REF_OPS_PATH = sys.argv[4] if len(sys.argv) > 4 else None  # 0.25.1's store launcher
 
 if BACKEND == "turboquant_attn":
     assert os.environ.get("TRITON_INTERPRET") == "1", "run TurboQuant with TRITON_INTERPRET=1"
@@ -190,9 +191,11 @@ elif BACKEND == "rocm_aiter_unified_attn":
     NAME = "ROCM_AITER_UNIFIED_ATTN"
 elif BACKEND == "turboquant_attn":
     import vllm.v1.attention.ops.triton_turboquant_decode as tq_decode
-    import vllm.v1.attention.ops.triton_turboquant_store as ref_store_mod
-
-    REF_STORE = ref_store_mod.triton_turboquant_store  # the installed (0.25.1) launcher
+    if REF_OPS_PATH:  # the installed launcher may be patched: 0.25.1's comes as a file
+        ref_store_mod = load_module(REF_OPS_PATH, "kvstack_layout_ref_turboquant_store")
+    else:
+        import vllm.v1.attention.ops.triton_turboquant_store as ref_store_mod
+    REF_STORE = ref_store_mod.triton_turboquant_store  # the 0.25.1 launcher
     if OPS_PATH:
         load_module(OPS_PATH, "vllm.v1.attention.ops.triton_turboquant_store")
     M = load_module(PATH, "kvstack_layout_patched_turboquant_attn")

@@ -1,7 +1,7 @@
 """Shared by the layout tests of one-file backend patches (triton_attn, flash_attn,
-flex_attention): find the patch in the series folders, apply it to a copy of the installed
-backend file (the shared venv is never modified), run the worker that checks it in a subprocess,
-and check the patch's trailers."""
+flex_attention): find the patch in the series, get the backend file as it is once the series is
+applied up to it (ladder.state_root; the shared venv is never modified), run the worker that
+checks it in a subprocess, and check the patch's trailers."""
 
 from __future__ import annotations
 
@@ -11,35 +11,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
-REPO = Path(__file__).resolve().parents[3]
 HERE = Path(__file__).resolve().parent
-SERIES_DIRS = [REPO / "patches" / "vllm", REPO / "patches" / "pending" / "vllm"]
 
-
-def find_patch(subject: str, target: str) -> Path:
-    """The series patch whose text names `subject` and changes `target`."""
-    for series_dir in SERIES_DIRS:
-        series = series_dir / "series"
-        if not series.exists():
-            continue
-        for line in series.read_text().splitlines():
-            name = line.strip()
-            if name and not name.startswith("#") and (series_dir / name).exists():
-                text = (series_dir / name).read_text()
-                if subject in text and f"+++ b/{target}" in text:
-                    return series_dir / name
-    pytest.fail(f"no patch '{subject}' in any of {[str(d) for d in SERIES_DIRS]}", pytrace=False)
-
-
-def installed_file(target: str) -> Path:
-    try:
-        import vllm
-    except ImportError as exc:
-        pytest.fail(f"vLLM is not importable with {sys.executable} ({exc}); run in the kvstack "
-                    "venv", pytrace=False)
-    return Path(vllm.__path__[0]).parent / target
+from ladder import find_patch, state_root  # noqa: E402
 
 
 def apply_to_copy(patch: Path, source_root: Path, dest: Path, target: str, *,
@@ -54,14 +28,9 @@ def apply_to_copy(patch: Path, source_root: Path, dest: Path, target: str, *,
     assert res.returncode == 0, f"{patch.name} does not apply to {source_root}: {res.stderr}"
 
 
-def patched_file(tmp_dir: Path, subject: str, target: str, applied_marker: str) -> Path:
-    """The installed file when the patch is applied to this environment (its text holds
-    `applied_marker`), else a patched copy under tmp_dir."""
-    installed = installed_file(target)
-    if applied_marker in installed.read_text():
-        return installed
-    apply_to_copy(find_patch(subject, target), installed.parents[4], tmp_dir, target)
-    return tmp_dir / target
+def patched_file(tmp_dir: Path, subject: str, target: str) -> Path:
+    """`target` as it is once the series is applied up to this patch (ladder.state_root)."""
+    return state_root(tmp_dir, find_patch(subject, target)) / target
 
 
 def run_worker(args: list[str], env: dict[str, str]) -> dict:
@@ -73,14 +42,15 @@ def run_worker(args: list[str], env: dict[str, str]) -> dict:
     return json.loads(lines[-1])
 
 
-def check_applies_to_sdist_and_site(subject: str, target: str, applied_marker: str,
-                                    sdist: Path, tmp_path: Path) -> None:
-    """The same -p1 patch applies to the pristine sdist tree and to the installed package."""
+def check_applies_to_sdist_and_site(subject: str, target: str, sdist: Path,
+                                    tmp_path: Path) -> None:
+    """The same -p1 patch applies to the pristine sdist tree and to the installed package as it
+    is before this patch (no earlier patch touches `target`: the pristine file is that too)."""
     patch = find_patch(subject, target)
     apply_to_copy(patch, sdist, tmp_path / "sdist", target, check_only=True)
-    installed = installed_file(target)
-    if applied_marker not in installed.read_text():
-        apply_to_copy(patch, installed.parents[4], tmp_path / "site", target, check_only=True)
+    before = state_root(tmp_path / "before", patch, include=False)
+    apply_to_copy(patch, before, tmp_path / "site", target, check_only=True)
+    assert (before / target).read_bytes() == (sdist / target).read_bytes()
 
 
 def check_trailers(subject: str, target: str, *, subject_line: bool = True) -> None:

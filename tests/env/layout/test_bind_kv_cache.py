@@ -1,21 +1,22 @@
-"""Issue 3, step [3/N]: layers bind their KV cache, Mamba pages are one tensor (pending patch).
+"""Issue 3, step [3/N]: layers bind their KV cache, Mamba pages are one tensor (kvstack patch).
 
-The patch (patches/pending/vllm, subject "bind_kv_cache: one KV cache tensor per layer") makes
+The patch (patches/vllm, subject "bind_kv_cache: one KV cache tensor per layer") makes
 vLLM 0.25.1's runner hand every layer one tensor through `AttentionLayerBase.bind_kv_cache`;
 Mamba layers get their pages as one (num_blocks, 1, 1, page_size_bytes) int8 tensor and derive
 their conv/ssm views from it; `TransferTopology.get_transfer_cache_regions` is gone.
 
-When the patch is not applied to the venv, the files it touches come from a temporary copy of
-the installed ones with the pending patches that touch them applied in series order (a
-meta-path finder puts them in front of the installed modules; the shared venv is never
-modified). Checks:
+Two states of vLLM are compared, each an overlay of the files the layout ladder touches put in
+front of the installed modules by a meta-path finder (ladder.state_root; the shared venv is
+never modified): "patched", the series up to this patch (in the kvstack venv: the installed
+files), and "unpatched", the series without the ladder (0.25.1 with kvstack's earlier
+patches: the ladder taken out again). Checks:
 - end to end on the CPU engine (each run in its own process): the tiny Qwen3-Next (GDN +
-  attention) and the tiny Llama give identical greedy tokens with the patched copy and with
-  the installed vLLM; the Mamba views the engine bound are 0.25.1's (data_ptr, shape, stride,
+  attention) and the tiny Llama give identical greedy tokens patched and unpatched; the
+  Mamba views the engine bound are 0.25.1's (data_ptr, shape, stride,
   dtype), and the CPU runner inherits the patched `_reshape_kv_cache_tensors`;
 - bind_cases.py (one subprocess): the views, the runners (V1, V2), `bind_kv_cache`, transfer
   regions for a Mamba and an attention layer, Mooncake and offloading registration; and the
-  same cases on the unpatched venv as a negative control (they must fail there).
+  same cases unpatched as a negative control (they must fail there).
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from pathlib import Path
 
 import pytest
 
-from test_transfer_topology_packed import installed_root, series_patches, touched
+from ladder import find_patch as _find, series_patches, state_root, touched
+from ladder import overlay as kv_overlay
 
 pytestmark = pytest.mark.env
 
@@ -44,44 +46,23 @@ UNPATCHED_PASS = {"test_overlay_is_in_use"}
 
 
 def find_patch() -> Path:
-    for path in series_patches():
-        head = path.read_text().split("\n---\n", 1)[0]
-        if SUBJECT in " ".join(head.split()):
-            return path
-    pytest.fail(f"no patch '{SUBJECT}' in the vllm series", pytrace=False)
-
-
-def build_overlay(root: Path, dest: Path) -> Path:
-    """Copies of the installed files the patch touches, with every series patch up to it that
-    touches one of them applied in order."""
-    patch = find_patch()
-    files = set(touched(patch))
-    chain = []
-    for p in series_patches():
-        if p == patch:
-            chain.append(p)
-            break
-        if files & set(touched(p)):
-            chain.append(p)
-    for p in chain:
-        for rel in touched(p):
-            if rel.startswith("vllm/") and not (dest / rel).exists():
-                (dest / rel).parent.mkdir(parents=True, exist_ok=True)
-                (dest / rel).write_bytes((root / rel).read_bytes())
-    present = sorted(str(f.relative_to(dest)) for f in dest.rglob("*.py"))
-    for p in chain:
-        res = subprocess.run(["git", "apply", "-p1", *[f"--include={r}" for r in present], str(p)],
-                             cwd=dest, capture_output=True, text=True)
-        assert res.returncode == 0, f"{p.name} does not apply to {root}: {res.stderr}"
-    return dest
+    return _find(SUBJECT)
 
 
 @pytest.fixture(scope="module")
-def overlay(tmp_path_factory) -> Path | None:
-    root = installed_root()
-    if MARKER[1] in (root / MARKER[0]).read_text():
-        return None  # the series is applied to the venv: test it as it is
-    return build_overlay(root, tmp_path_factory.mktemp("bind-overlay"))
+def overlay(tmp_path_factory) -> Path:
+    """The series up to this patch."""
+    root = state_root(tmp_path_factory.mktemp("bind-overlay"), find_patch())
+    assert MARKER[1] in (root / MARKER[0]).read_text()
+    return root
+
+
+@pytest.fixture(scope="module")
+def unpatched(tmp_path_factory) -> Path:
+    """The series without the layout ladder (0.25.1 + kvstack's earlier patches)."""
+    root = state_root(tmp_path_factory.mktemp("bind-unpatched"), None)
+    assert MARKER[1] not in (root / MARKER[0]).read_text()
+    return root
 
 
 def clean_env(overlay_dir: Path | None) -> dict[str, str]:
@@ -118,11 +99,9 @@ def test_cases_all_pass(cases):
     assert not bad, "\n".join(f"{k}: {v}" for k, v in bad.items())
 
 
-def test_cases_fail_without_the_patch(overlay, tmp_path):
-    """Negative control: on the installed vLLM 0.25.1 (no overlay) the [3/N] cases fail."""
-    if overlay is None:
-        pytest.skip("the series is applied to the venv: no unpatched vLLM to compare with")
-    got = run_cases(tmp_path, None)
+def test_cases_fail_without_the_patch(unpatched, tmp_path):
+    """Negative control: on vLLM 0.25.1 (the ladder taken out) the [3/N] cases fail."""
+    got = run_cases(tmp_path, unpatched)
     passed = {name.split("[", 1)[0] for name, outcome in got.items() if outcome == "passed"}
     assert passed == UNPATCHED_PASS, sorted(passed)
 
@@ -131,15 +110,13 @@ def test_cases_fail_without_the_patch(overlay, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def e2e(overlay, tiny_model_dir, tmp_path_factory):
+def e2e(overlay, unpatched, tiny_model_dir, tmp_path_factory):
     """model -> {"patched": result, "unpatched": result}; one engine per process."""
     tmp = tmp_path_factory.mktemp("bind-e2e")
     runs: dict[str, dict[str, dict]] = {}
     for model in ("qwen3next", "llama"):
         model_dir = tiny_model_dir(model)
-        for label, ov in (("patched", overlay), ("unpatched", None)):
-            if overlay is None and label == "unpatched":
-                continue
+        for label, ov in (("patched", overlay), ("unpatched", unpatched)):
             out = tmp / f"{model}-{label}.json"
             res = subprocess.run([sys.executable, str(WORKER), model, str(model_dir), str(out)],
                                  capture_output=True, text=True, env=clean_env(ov), cwd=HERE,
@@ -157,9 +134,7 @@ def strip_ptr(views: list[dict]) -> list[dict]:
 @pytest.mark.parametrize("model", ["qwen3next", "llama"])
 def test_e2e_greedy_tokens_identical(e2e, model):
     runs = e2e[model]
-    if "unpatched" not in runs:
-        pytest.skip("the series is applied to the venv: no unpatched vLLM to compare with")
-    assert runs["patched"]["overlay"] and not runs["unpatched"]["overlay"]
+    assert runs["patched"]["overlay"] and runs["unpatched"]["overlay"]
     assert runs["patched"]["tokens"] == runs["unpatched"]["tokens"]
     assert all(len(t) == 12 for t in runs["patched"]["tokens"])
 
@@ -175,14 +150,14 @@ def test_e2e_mamba_views_are_0251s(e2e):
         assert layer["views"] == layer["reference_0251"], name
         # the page is padded (here to the attention page): block stride = the page
         assert layer["views"][0]["stride"][0] * 2 == layer["page_size_bytes"]  # bf16 conv
-    if "unpatched" in runs:
-        unpatched = runs["unpatched"]
-        assert sorted(unpatched["mamba"]) == sorted(patched["mamba"])
-        for name, layer in unpatched["mamba"].items():
-            assert layer["views"] == layer["reference_0251"], f"reference is not 0.25.1's: {name}"
-            assert strip_ptr(patched["mamba"][name]["views"]) == strip_ptr(layer["views"]), name
-        assert {k: strip_ptr([v]) for k, v in patched["attention"].items()} == {
-            k: strip_ptr([v]) for k, v in unpatched["attention"].items()}
+    # the unpatched engine bound the same views
+    unpatched = runs["unpatched"]
+    assert sorted(unpatched["mamba"]) == sorted(patched["mamba"])
+    for name, layer in unpatched["mamba"].items():
+        assert layer["views"] == layer["reference_0251"], f"reference is not 0.25.1's: {name}"
+        assert strip_ptr(patched["mamba"][name]["views"]) == strip_ptr(layer["views"]), name
+    assert {k: strip_ptr([v]) for k, v in patched["attention"].items()} == {
+        k: strip_ptr([v]) for k, v in unpatched["attention"].items()}
 
 
 def test_e2e_runner_binds_one_tensor_per_layer(e2e):
@@ -201,9 +176,9 @@ def test_e2e_runner_binds_one_tensor_per_layer(e2e):
     page_size = next(iter(patched["mamba"].values()))["page_size_bytes"]
     for page in pages:
         assert page["shape"][1:] == [1, 1, page_size] and page["data_ptr"] in conv_ptrs
-    if "unpatched" in runs:
-        assert sum(c["kind"] == "list" for c in runs["unpatched"]["runner_kv_caches"]) == len(pages)
-        assert not runs["unpatched"]["has_bind_kv_cache"]
+    # 0.25.1 keeps a [conv, ssm] list
+    assert sum(c["kind"] == "list" for c in runs["unpatched"]["runner_kv_caches"]) == len(pages)
+    assert not runs["unpatched"]["has_bind_kv_cache"]
 
 
 def test_patch_trailers_and_order():
@@ -221,6 +196,9 @@ def test_patch_trailers_and_order():
     assert names.index(connector) < names.index(patch.name)
 
 
-def test_patch_applies_to_sdist(tmp_path, pinned_tree):
-    """The -p1 stack up to this patch applies to the pristine sdist tree too."""
-    build_overlay(pinned_tree("vllm"), tmp_path / "sdist")
+def test_patch_applies_to_sdist(tmp_path, pristine_tree):
+    """The -p1 series up to this patch applies to the pristine sdist tree too."""
+    patch = find_patch()
+    upto = series_patches()[:series_patches().index(patch) + 1]
+    files = kv_overlay.build_overlay(upto, pristine_tree("vllm"), tmp_path / "sdist")
+    assert set(touched(patch)) <= set(files)

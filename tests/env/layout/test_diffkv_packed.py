@@ -1,6 +1,6 @@
 """Issue 3, step 2/N for the DiffKV backends: K and V packed, head-major (kvstack patches).
 
-Two pending patches: "triton_attn_diffkv: pack K/V into the content dim" (the backend
+Two patches: "triton_attn_diffkv: pack K/V into the content dim" (the backend
 and the DiffKV Triton store kernel's head_stride) and "flash_attn_diffkv: pack K/V
 into the content dim". Both change the cache from vLLM 0.25.1's token-major
 (num_blocks, block_size, num_kv_heads, head_size + head_size_v) to the logical
@@ -26,14 +26,13 @@ TRITON_INTERPRET=1 at tiny shapes, head_size 32 and head_size_v 64):
 - FLASH_ATTN_DIFFKV forward(): the views it hands to flash-attn are the packed views
   (data_ptr, strides, fp8 retyped), and attention read through them by a float64 torch
   stand-in for flash_attn_varlen_func matches a float64 reference (bf16, fp8);
-- negative controls: the unpatched installed files fail the layout cases (see
+- negative controls: the unpatched files (0.25.1's) fail the layout cases (see
   UNPATCHED_PASSES for the few that do not depend on the layout), and the patched
   FLASH_ATTN_DIFFKV with the unpatched (0.25.1) store kernel writes HND caches wrong.
 
-The files under test are copies of the installed ones with the series' patches that touch
-them applied in order (the parent backend's patch, then these), loaded first in the
-worker; the shared venv is never modified. When the patches are applied to the venv the
-installed files are used as they are.
+The files under test are the installed ones as they are once the series is applied up to
+each patch (ladder.state_root: later patches of the ladder taken out of copies; the shared
+venv is never modified), loaded first in the worker.
 """
 
 from __future__ import annotations
@@ -47,17 +46,18 @@ from pathlib import Path
 
 import pytest
 
+import ladder
+from ladder import series_patches, state_root, touched
+
 pytestmark = pytest.mark.env
 
-REPO = Path(__file__).resolve().parents[3]
 HERE = Path(__file__).resolve().parent
-SERIES_DIRS = [REPO / "patches" / "vllm", REPO / "patches" / "pending" / "vllm"]
 OPS = "vllm/v1/attention/ops/triton_reshape_and_cache_flash.py"
 BACKENDS = {
     "triton_attn_diffkv": {
         "subject": "triton_attn_diffkv: pack K/V into the content dim",
         "parent": "vllm/v1/attention/backends/triton_attn.py",
-        "marker": "TRITON_ATTN_DIFFKV expects a packed KV cache",
+        "marker": "{backend_name} expects a packed KV cache",  # an f-string in the file
         "touches": ["vllm/v1/attention/backends/triton_attn_diffkv.py", OPS],
     },
     "flash_attn_diffkv": {
@@ -93,38 +93,8 @@ def files(backend: str) -> list[str]:
     return [OPS, BACKENDS[backend]["parent"], target(backend)]
 
 
-def series_patches() -> list[Path]:
-    out = []
-    for series_dir in SERIES_DIRS:
-        series = series_dir / "series"
-        if series.exists():
-            for line in series.read_text().splitlines():
-                name = line.strip()
-                if name and not name.startswith("#") and (series_dir / name).exists():
-                    out.append(series_dir / name)
-    return out
-
-
-def touched(patch: Path) -> list[str]:
-    return [line[6:] for line in patch.read_text().splitlines() if line.startswith("+++ b/")]
-
-
 def find_patch(backend: str) -> Path:
-    subject = BACKENDS[backend]["subject"]
-    for patch in series_patches():
-        if f"Subject: [PATCH] [kvstack] {subject}" in patch.read_text():
-            return patch
-    pytest.fail(f"no patch '{subject}' in any series of {[str(d) for d in SERIES_DIRS]}",
-                pytrace=False)
-
-
-def site_root() -> Path:
-    try:
-        import vllm
-    except ImportError as exc:
-        pytest.fail(f"vLLM is not importable with {sys.executable} ({exc}); run in the kvstack "
-                    "venv", pytrace=False)
-    return Path(vllm.__path__[0]).parent
+    return ladder.find_patch(BACKENDS[backend]["subject"])
 
 
 def build_overlay(source_root: Path, dest: Path, rels: list[str], *, upto: Path | None) -> Path:
@@ -147,10 +117,10 @@ def build_overlay(source_root: Path, dest: Path, rels: list[str], *, upto: Path 
 
 
 def patched_overlay(backend: str, dest: Path) -> Path:
-    root = site_root()
-    if BACKENDS[backend]["marker"] in (root / target(backend)).read_text():
-        return build_overlay(root, dest, files(backend), upto=None)  # applied to this venv
-    return build_overlay(root, dest, files(backend), upto=find_patch(backend))
+    """The series up to this backend's patch."""
+    state_root(dest, find_patch(backend))
+    assert BACKENDS[backend]["marker"] in (dest / target(backend)).read_text()
+    return dest
 
 
 def run_worker(backend: str, overlay: Path, *cases: str) -> dict:
@@ -196,10 +166,7 @@ UNPATCHED_PASSES = {
 
 def test_negative_control_unpatched(backend, tmp_path):
     """The same cases on the unpatched 0.25.1 files fail, except the layout-neutral ones."""
-    root = site_root()
-    if BACKENDS[backend]["marker"] in (root / target(backend)).read_text():
-        pytest.skip("the patches are applied to this venv: no unpatched file to run")
-    got = run_worker(backend, build_overlay(root, tmp_path, files(backend), upto=None))
+    got = run_worker(backend, state_root(tmp_path, None))  # the ladder taken out
     passed = sorted(name for name, r in got.items() if r["ok"])
     assert passed == UNPATCHED_PASSES[backend], passed
 
@@ -209,22 +176,22 @@ def test_hnd_store_needs_the_head_stride(tmp_path):
     token-major) still stores right, HND does not (the kernel assumed head_size +
     head_size_v between heads)."""
     backend = "flash_attn_diffkv"
-    root = site_root()
-    if "tile_i * head_stride" in (root / OPS).read_text():
-        pytest.skip("the store kernel of this venv is patched")
-    overlay = patched_overlay(backend, tmp_path)
-    shutil.copy2(root / OPS, overlay / OPS)
+    unpatched = state_root(tmp_path / "unpatched", None)
+    assert "tile_i * head_stride" not in (unpatched / OPS).read_text()
+    overlay = patched_overlay(backend, tmp_path / "overlay")
+    shutil.copy2(unpatched / OPS, overlay / OPS)
     got = run_worker(backend, overlay, "store_NHD_bfloat16", "store_HND_bfloat16")
     assert got["store_NHD_bfloat16"]["ok"], got["store_NHD_bfloat16"]["detail"]
     assert not got["store_HND_bfloat16"]["ok"]
 
 
-def test_patches_apply_to_sdist_and_site_packages(backend, tmp_path, pinned_tree):
+def test_patches_apply_to_sdist_and_site_packages(backend, tmp_path, pristine_tree):
     """The -p1 patches apply, after their predecessors in the series, to the pristine
     sdist and to the installed package."""
-    build_overlay(pinned_tree("vllm"), tmp_path / "sdist", files(backend),
+    build_overlay(pristine_tree("vllm"), tmp_path / "sdist", files(backend),
                   upto=find_patch(backend))
-    patched_overlay(backend, tmp_path / "site")
+    build_overlay(state_root(tmp_path / "before", None), tmp_path / "site", files(backend),
+                  upto=find_patch(backend))
 
 
 def test_series_order():

@@ -29,9 +29,9 @@ attention kernel is a float64 torch reference of flash_attn_varlen_func's paged 
 That the compiled op and flash-attn read strides from their tensors is argued from their
 sources in docs/layout-backport.md; it has not run on a GPU yet.
 
-Which backend module is tested: the installed one when the patch is applied to the venv,
-otherwise a temporary copy of the installed file with the patch applied (the shared venv
-is never modified).
+Which backend module is tested: the file as it is once the series is applied up to this
+patch (ladder.state_root: the installed one in the kvstack venv; the shared venv is never
+modified).
 """
 
 from __future__ import annotations
@@ -65,7 +65,8 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict:
-    target = patched_file(tmp_path_factory.mktemp("patched-site"), SUBJECT, TARGET, MARKER)
+    target = patched_file(tmp_path_factory.mktemp("patched-site"), SUBJECT, TARGET)
+    assert MARKER in target.read_text(), target
     return run_worker(["packed_backend_worker.py", BACKEND, str(target)], dict(os.environ))
 
 
@@ -80,9 +81,9 @@ def test_case(results, case):
     assert got["ok"], got["detail"]
 
 
-def test_patch_applies_to_sdist_and_site_packages(tmp_path, pinned_tree):
+def test_patch_applies_to_sdist_and_site_packages(tmp_path, pristine_tree):
     """The same -p1 patch applies to the pristine sdist tree and to the installed package."""
-    check_applies_to_sdist_and_site(SUBJECT, TARGET, MARKER, pinned_tree("vllm"), tmp_path)
+    check_applies_to_sdist_and_site(SUBJECT, TARGET, pristine_tree("vllm"), tmp_path)
 
 
 def test_patch_trailers():

@@ -34,10 +34,10 @@ entry points are float64 torch references of their documented paged (k, v) contr
 the real kernels accept the views (strides; the trtllm-gen cubins of FlashInfer 0.6.13 in
 particular) needs a GPU run (see docs/layout-backport.md).
 
-Which backend module is tested: the installed one when the patch is applied to the venv,
-otherwise a temporary copy of the installed file with the patch applied (the shared venv
-is never modified). Negative control: the same worker on the unpatched file fails every
-case but the layout-independent one.
+Which backend module is tested: the file as it is once the series is applied up to this
+patch (ladder.state_root: the installed one in the kvstack venv; the shared venv is never
+modified). Negative control: the same worker on the file as it is just before this patch
+(0.25.1's) fails every case but the layout-independent one.
 """
 
 from __future__ import annotations
@@ -50,7 +50,8 @@ from pathlib import Path
 
 import pytest
 
-from test_transfer_topology_packed import apply_to_copy, find_patch, installed_root, series_patches, touched
+from ladder import find_patch, series_patches, state_root, touched
+from test_transfer_topology_packed import apply_to_copy
 
 pytestmark = pytest.mark.env
 
@@ -84,28 +85,19 @@ CASES = [
 ]
 
 
-def installed_file() -> Path:
-    return installed_root() / TARGET
-
-
 @pytest.fixture(scope="module")
-def reference_file(pinned_tree) -> Path:
-    """vLLM 0.25.1's flashinfer.py, unpatched (the installed one unless the patch is in it)."""
-    for path in (installed_file(), pinned_tree("vllm") / TARGET):
-        if MARKER not in path.read_text():
-            return path
-    pytest.fail("no unpatched 0.25.1 flashinfer.py found (venv and sdist tree both patched)",
-                pytrace=False)
+def reference_file(tmp_path_factory) -> Path:
+    """vLLM 0.25.1's flashinfer.py: the file just before this patch (no earlier patch touches it)."""
+    path = state_root(tmp_path_factory.mktemp("before"), find_patch(SUBJECT), include=False) / TARGET
+    assert MARKER not in path.read_text(), path
+    return path
 
 
 @pytest.fixture(scope="module")
 def patched_file(tmp_path_factory) -> Path:
-    installed = installed_file()
-    if MARKER in installed.read_text():
-        return installed  # the patch is applied to this environment
-    dest = tmp_path_factory.mktemp("patched-site")
-    apply_to_copy(find_patch(SUBJECT), installed_root(), dest)
-    return dest / TARGET
+    path = state_root(tmp_path_factory.mktemp("patched-site"), find_patch(SUBJECT)) / TARGET
+    assert MARKER in path.read_text(), path
+    return path
 
 
 def run_worker(backend: Path, reference: Path) -> dict:
@@ -142,12 +134,12 @@ def test_cases_fail_on_the_unpatched_backend(reference_file):
     assert passed == UNPATCHED_PASS, f"passed on the unpatched backend: {sorted(passed)}"
 
 
-def test_patch_applies_to_sdist_and_site_packages(tmp_path, pinned_tree):
-    """The same -p1 patch applies to the pristine sdist tree and to the installed package."""
+def test_patch_applies_to_sdist_and_site_packages(tmp_path, pristine_tree, reference_file):
+    """The same -p1 patch applies to the pristine sdist tree and to the installed package as it
+    is before this patch."""
     patch = find_patch(SUBJECT)
-    apply_to_copy(patch, pinned_tree("vllm"), tmp_path / "sdist", check_only=True)
-    if MARKER not in installed_file().read_text():
-        apply_to_copy(patch, installed_root(), tmp_path / "site", check_only=True)
+    apply_to_copy(patch, pristine_tree("vllm"), tmp_path / "sdist", check_only=True)
+    apply_to_copy(patch, reference_file.parents[4], tmp_path / "site", check_only=True)
 
 
 def test_patch_trailers_and_scope():

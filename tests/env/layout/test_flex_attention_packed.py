@@ -30,9 +30,9 @@ registers a torch reference of the CUDA op's contract under that name (slot ->
 addressed by their strides as the kernel does). The attention itself is the real
 flex_attention, compiled for CPU (about 40 s here, on first run).
 
-Which backend module is tested: the installed one when the patch is applied to the venv,
-otherwise a temporary copy of the installed file with the patch applied (the shared venv
-is never modified).
+Which backend module is tested: the file as it is once the series is applied up to this
+patch (ladder.state_root: the installed one in the kvstack venv; the shared venv is never
+modified).
 """
 
 from __future__ import annotations
@@ -66,7 +66,8 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict:
-    target = patched_file(tmp_path_factory.mktemp("patched-site"), SUBJECT, TARGET, MARKER)
+    target = patched_file(tmp_path_factory.mktemp("patched-site"), SUBJECT, TARGET)
+    assert MARKER in target.read_text(), target
     return run_worker(["packed_backend_worker.py", BACKEND, str(target)], dict(os.environ))
 
 
@@ -81,9 +82,9 @@ def test_case(results, case):
     assert got["ok"], got["detail"]
 
 
-def test_patch_applies_to_sdist_and_site_packages(tmp_path, pinned_tree):
+def test_patch_applies_to_sdist_and_site_packages(tmp_path, pristine_tree):
     """The same -p1 patch applies to the pristine sdist tree and to the installed package."""
-    check_applies_to_sdist_and_site(SUBJECT, TARGET, MARKER, pinned_tree("vllm"), tmp_path)
+    check_applies_to_sdist_and_site(SUBJECT, TARGET, pristine_tree("vllm"), tmp_path)
 
 
 def test_patch_trailers():

@@ -1,6 +1,6 @@
 """Issue 3, step 2/N for ROCM_AITER_FA, ROCM_AITER_UNIFIED_ATTN and TURBOQUANT (kvstack patches).
 
-The patches (pending 0009, 0010, 0011) move these backends' KV caches to the standardized
+The patches (patches/vllm 0011, 0012, 0013) move these backends' KV caches to the standardized
 blocks-first, head-major logical shape (num_blocks, num_kv_heads, block_size, content):
 - ROCM_AITER_FA and ROCM_AITER_UNIFIED_ATTN: vLLM 0.25.1's (B, 2, N, H, D) becomes
   (B, H, N, 2D), K and V recovered as views by `split_packed_kv_cache`, no stride order
@@ -16,13 +16,13 @@ is real and what is a stand-in): shapes, stride orders, the views, refusals of n
 caches (and of the shuffle mode), the cache-update paths through the backends' own methods
 (the compiled `reshape_and_cache_flash` and AITER's rope-and-cache by torch stand-ins; the
 TurboQuant Triton store and decode kernels for real, under TRITON_INTERPRET=1, compared byte
-for byte with the installed 0.25.1 launcher on a token-major cache), and the unified
+for byte with 0.25.1's launcher on a token-major cache), and the unified
 backend's forward() against a float64 reference (AITER's unified_attention by a torch
 stand-in). AITER is not installed (no ROCm): nothing here runs an AITER kernel.
 
-Which backend module is tested: the installed one when the patch is applied to the venv,
-otherwise a temporary copy of the installed files with the patch applied (the shared venv is
-never modified). Negative control: the same worker on the unpatched installed files.
+Which backend module is tested: the files as they are once the series is applied up to the
+patch (ladder.state_root: the installed ones in the kvstack venv; the shared venv is never
+modified). Negative control: the same worker on the files without the ladder (0.25.1's).
 """
 
 from __future__ import annotations
@@ -36,12 +36,12 @@ from pathlib import Path
 
 import pytest
 
+import ladder
+from ladder import series_patches, state_root, touched
+
 pytestmark = pytest.mark.env
 
-REPO = Path(__file__).resolve().parents[3]
 HERE = Path(__file__).resolve().parent
-PENDING = REPO / "patches" / "pending" / "vllm"
-SERIES_DIRS = [REPO / "patches" / "vllm", PENDING]
 BK = "vllm/v1/attention/backends"
 
 BACKENDS = {
@@ -92,31 +92,13 @@ def unfold(text: str) -> str:
 
 def find_patch(backend: str) -> Path:
     info = BACKENDS[backend]
-    for series_dir in SERIES_DIRS:
-        series = series_dir / "series"
-        if not series.exists():
-            continue
-        for line in series.read_text().splitlines():
-            name = line.strip()
-            if name and not name.startswith("#") and (series_dir / name).exists():
-                text = unfold((series_dir / name).read_text())
-                if info["subject"] in text and f"+++ b/{info['targets'][0]}" in text:
-                    return series_dir / name
-    pytest.fail(f"no patch '{info['subject']}' in any of {[str(d) for d in SERIES_DIRS]}",
-                pytrace=False)
+    return ladder.find_patch(info["subject"], info["targets"][0])
 
 
-def site_root() -> Path:
-    try:
-        import vllm
-    except ImportError as exc:
-        pytest.fail(f"vLLM is not importable with {sys.executable} ({exc}); run in the "
-                    "kvstack venv", pytrace=False)
-    return Path(vllm.__path__[0]).parent
-
-
-def applied_to_venv(backend: str) -> bool:
-    return BACKENDS[backend]["marker"] in (site_root() / BACKENDS[backend]["targets"][0]).read_text()
+@pytest.fixture(scope="module")
+def unpatched(tmp_path_factory) -> Path:
+    """vLLM's files without the layout ladder (0.25.1 + kvstack's earlier patches)."""
+    return state_root(tmp_path_factory.mktemp("unpatched"), None)
 
 
 def apply_to_copy(patch: Path, targets: list[str], source_root: Path, dest: Path, *,
@@ -152,16 +134,15 @@ _RESULTS: dict[str, dict] = {}
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
+def results(tmp_path_factory, unpatched):
     def get(backend: str) -> dict:
         if backend not in _RESULTS:
-            targets = BACKENDS[backend]["targets"]
-            if applied_to_venv(backend):
-                files = [site_root() / t for t in targets]
-            else:
-                dest = tmp_path_factory.mktemp(f"patched-{backend}")
-                apply_to_copy(find_patch(backend), targets, site_root(), dest)
-                files = [dest / t for t in targets]
+            info = BACKENDS[backend]
+            dest = state_root(tmp_path_factory.mktemp(f"patched-{backend}"), find_patch(backend))
+            assert info["marker"] in (dest / info["targets"][0]).read_text()
+            files = [dest / t for t in info["targets"]]
+            if backend == "turboquant_attn":  # the reference: 0.25.1's store launcher
+                files.append(unpatched / info["targets"][1])
             _RESULTS[backend] = run_worker(backend, files)
         return _RESULTS[backend]
     return get
@@ -181,14 +162,13 @@ def test_case(results, backend, case):
 
 
 @pytest.mark.parametrize("backend", list(BACKENDS))
-def test_negative_control_unpatched_fails(backend):
-    """The same cases on the unpatched installed files fail, except the layout-independent ones."""
-    if applied_to_venv(backend):
-        pytest.skip("the patch is applied to this venv: no unpatched file to compare")
+def test_negative_control_unpatched_fails(backend, unpatched):
+    """The same cases on the unpatched files fail, except the layout-independent ones."""
     info = BACKENDS[backend]
     only = info.get("unpatched_only")
-    # the unpatched turboquant_attn.py with the installed (unpatched) store launcher
-    files = [site_root() / info["targets"][0]]
+    assert info["marker"] not in (unpatched / info["targets"][0]).read_text()
+    # turboquant: the unpatched turboquant_attn.py with the unpatched store launcher
+    files = [unpatched / t for t in info["targets"]]
     got = run_worker(backend, files, only)
     assert sorted(got) == sorted(only or info["cases"])
     passed = {c for c, r in got.items() if r["ok"]}
@@ -196,16 +176,12 @@ def test_negative_control_unpatched_fails(backend):
 
 
 @pytest.mark.parametrize("backend", list(BACKENDS))
-def test_patch_applies_to_sdist_and_site_packages(tmp_path, pinned_tree, backend):
-    """The same -p1 patch applies to the pristine sdist tree and to the installed package."""
+def test_patch_applies_to_sdist_and_site_packages(tmp_path, pristine_tree, unpatched, backend):
+    """The same -p1 patch applies to the pristine sdist tree and to the installed package as it
+    is before the ladder (no other patch touches these files)."""
     patch, targets = find_patch(backend), BACKENDS[backend]["targets"]
-    apply_to_copy(patch, targets, pinned_tree("vllm"), tmp_path / "sdist", check_only=True)
-    if not applied_to_venv(backend):
-        apply_to_copy(patch, targets, site_root(), tmp_path / "site", check_only=True)
-
-
-def touched(patch: Path) -> list[str]:
-    return [line[6:] for line in patch.read_text().splitlines() if line.startswith("+++ b/")]
+    apply_to_copy(patch, targets, pristine_tree("vllm"), tmp_path / "sdist", check_only=True)
+    apply_to_copy(patch, targets, unpatched, tmp_path / "site", check_only=True)
 
 
 @pytest.mark.parametrize("backend", list(BACKENDS))
@@ -223,10 +199,10 @@ def test_patch_trailers_and_files(backend):
 
 def test_series_position_and_independence():
     """The three sit together after the connector patch and before the 3/N bind_kv_cache
-    patch, and touch no file another pending patch touches, so they apply after the earlier
-    patches and the bind_kv_cache patch still applies after them."""
-    names = [line.strip() for line in (PENDING / "series").read_text().splitlines()
-             if line.strip() and not line.startswith("#")]
+    patch, and touch no file another patch of the series touches, so they apply after the
+    earlier patches and the bind_kv_cache patch still applies after them."""
+    series = {p.name: p for p in series_patches()}
+    names = list(series)
     ours = [find_patch(b).name for b in BACKENDS]
     i = names.index(ours[0])
     assert names[i: i + 3] == ours
@@ -237,4 +213,4 @@ def test_series_position_and_independence():
     mine = {f for b in BACKENDS for f in BACKENDS[b]["targets"]}
     for name in names:
         if name not in ours:
-            assert not mine & set(touched(PENDING / name)), name
+            assert not mine & set(touched(series[name])), name

@@ -1,4 +1,4 @@
-"""Issue 3, step [2/N a]: KV connectors accept the packed K/V cache (kvstack pending patch).
+"""Issue 3, step [2/N a]: KV connectors accept the packed K/V cache (kvstack patch).
 
 The patch makes vLLM 0.25.1's TransferTopology and the NIXL, Mooncake and MoRI-IO connectors
 register one transfer region per layer for the packed cache
@@ -6,10 +6,11 @@ register one transfer region per layer for the packed cache
 blocks coalesced where the connector can), keep the 5-D layouts of 0.25.1 exactly as they
 were and refuse unknown layouts.
 
-The cases live in connector_cases.py and run in one subprocess (`python -m pytest`), with
-the patched files taken from a temporary copy of the installed ones (the shared venv is never
-modified) and put in front of the installed modules by a meta-path finder; when the series
-is applied to the venv, the installed modules are tested as they are. Real CPU tensors in
+The cases live in connector_cases.py and run in one subprocess (`python -m pytest`) against
+the files as they are once the series is applied up to this patch (ladder.state_root: the
+ladder's later patches taken out of copies of the installed files; the shared venv is never
+modified), put in front of the installed modules by a meta-path finder. So the backends are
+0.25.1's (5-D) and `get_transfer_cache_regions` (removed by [3/N]) is still there. Real CPU tensors in
 both physical orders (HND, NHD), real 0.25.1 backends for the 5-D layouts, mocks only for
 the transports (NIXL agent, Mooncake engine).
 """
@@ -26,12 +27,13 @@ from pathlib import Path
 
 import pytest
 
+import ladder
+from ladder import installed_root, series_patches, touched  # noqa: F401 (used by other tests)
+
 pytestmark = pytest.mark.env
 
-REPO = Path(__file__).resolve().parents[3]
 HERE = Path(__file__).resolve().parent
 CASES_FILE = HERE / "connector_cases.py"
-SERIES_DIRS = [REPO / "patches" / "vllm", REPO / "patches" / "pending" / "vllm"]
 SUBJECT = "kv_connector: one transfer region per layer for"
 MARKER = ("vllm/distributed/kv_transfer/kv_connector/utils.py", "def classify_kv_cache_layout(")
 TRITON_SUBJECT = "triton_attn: pack K and V into the content dim"
@@ -44,38 +46,8 @@ ALLOWED = {
 }
 
 
-def series_patches() -> list[Path]:
-    out = []
-    for series_dir in SERIES_DIRS:
-        series = series_dir / "series"
-        if not series.exists():
-            continue
-        for line in series.read_text().splitlines():
-            name = line.strip()
-            if name and not name.startswith("#") and (series_dir / name).exists():
-                out.append(series_dir / name)
-    return out
-
-
 def find_patch(subject: str = SUBJECT) -> Path:
-    for path in series_patches():
-        head = path.read_text().split("\n---\n", 1)[0]
-        if subject in " ".join(head.split()):  # the Subject: line may be folded
-            return path
-    pytest.fail(f"no patch '{subject}' in any of {[str(d) for d in SERIES_DIRS]}", pytrace=False)
-
-
-def touched(patch: Path) -> list[str]:
-    return [line[6:] for line in patch.read_text().splitlines() if line.startswith("+++ b/")]
-
-
-def installed_root() -> Path:
-    try:
-        import vllm
-    except ImportError as exc:
-        pytest.fail(f"vLLM is not importable with {sys.executable} ({exc}); run in the kvstack "
-                    "venv", pytrace=False)
-    return Path(vllm.__path__[0]).parent
+    return ladder.find_patch(subject)
 
 
 def apply_to_copy(patch: Path, source_root: Path, dest: Path, *, check_only: bool = False) -> None:
@@ -91,10 +63,6 @@ def apply_to_copy(patch: Path, source_root: Path, dest: Path, *, check_only: boo
     assert res.returncode == 0, f"{patch.name} does not apply to {source_root}: {res.stderr}"
 
 
-def patched_in_venv(root: Path) -> bool:
-    return MARKER[1] in (root / MARKER[0]).read_text()
-
-
 def case_names() -> list[str]:
     tree = ast.parse(CASES_FILE.read_text())
     return [n.name for n in tree.body if isinstance(n, ast.FunctionDef) and n.name.startswith("test_")]
@@ -103,12 +71,9 @@ def case_names() -> list[str]:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict[str, list[str]]:
     """function name -> outcomes ('passed' / failure text) of its test cases."""
-    root = installed_root()
     tmp = tmp_path_factory.mktemp("connector-packed")
     env = {k: v for k, v in os.environ.items() if k != "KVSTACK_CONNECTOR_OVERLAY"}
-    if not patched_in_venv(root):
-        apply_to_copy(find_patch(), root, tmp / "overlay")
-        env["KVSTACK_CONNECTOR_OVERLAY"] = str(tmp / "overlay")
+    env["KVSTACK_CONNECTOR_OVERLAY"] = str(ladder.state_root(tmp / "overlay", find_patch()))
     junit = tmp / "junit.xml"
     res = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o",
@@ -144,18 +109,19 @@ def test_case(results, case):
     assert not bad, "\n".join(bad)
 
 
-def test_patch_applies_to_sdist_and_site_packages(tmp_path, pinned_tree):
-    """The same -p1 patch applies to the pristine sdist tree and to the installed package."""
+def test_patch_applies_to_sdist_and_site_packages(tmp_path, pristine_tree):
+    """The same -p1 patch applies to the pristine sdist tree and to the installed package as it
+    is before this patch."""
     patch = find_patch()
-    apply_to_copy(patch, pinned_tree("vllm"), tmp_path / "sdist", check_only=True)
-    root = installed_root()
-    if not patched_in_venv(root):
-        apply_to_copy(patch, root, tmp_path / "site", check_only=True)
+    apply_to_copy(patch, pristine_tree("vllm"), tmp_path / "sdist", check_only=True)
+    before = ladder.state_root(tmp_path / "before", patch, include=False)
+    apply_to_copy(patch, before, tmp_path / "site", check_only=True)
+    assert MARKER[1] in (ladder.state_root(tmp_path / "after", patch) / MARKER[0]).read_text()
 
 
-def test_pending_series_order():
+def test_series_order():
     """The connector patch comes before the first backend that moves to the packed layout."""
-    patches = series_patches()
+    patches = ladder.series_patches()
     connector, triton = find_patch(), find_patch(TRITON_SUBJECT)
     assert patches.index(connector) < patches.index(triton)
 
