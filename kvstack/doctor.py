@@ -13,7 +13,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
-from kvstack.patchstack import ALREADY, PACKAGE, base_version, files_not_applied, plan_series, read_series
+from kvstack.patchstack import ALREADY, NOT_INSTALLED, PACKAGE, base_version, files_not_applied, plan_series, read_series
 from kvstack.pins import COMPONENTS, load_pin
 
 
@@ -73,6 +73,9 @@ def run_doctor(series_dirs: dict[str, Path] | None = None, out=sys.stdout) -> in
             for res in plan.results:
                 if res.state == ALREADY:
                     report(True, f"{comp}/{res.patch.name}", "applied")
+                elif res.state == NOT_INSTALLED:
+                    report(True, f"{comp}/{res.patch.name}",
+                           f"nothing to apply here (touches only {', '.join(res.skipped)})")
                 else:
                     files = files_not_applied(plan, res.patch)
                     report(False, f"{comp}/{res.patch.name}",

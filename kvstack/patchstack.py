@@ -37,6 +37,9 @@ from kvstack.pins import COMPONENTS, load_pin
 
 EXIT_OK, EXIT_FAILS, EXIT_USAGE, EXIT_VERSION = 0, 1, 2, 3
 APPLIES, OFFSET, ALREADY, FAILS = "applies", "applies with offset", "already applied", "fails"
+# An installed package (site-packages) has none of the files the patch touches (e.g. a patch of
+# upstream's tests/): there is nothing to apply there, which is not a failure.
+NOT_INSTALLED = "nothing installed to patch"
 
 # Import name of each component's package inside an upstream tree / site-packages.
 PACKAGE = {"vllm": "vllm", "lmcache": "lmcache"}
@@ -152,6 +155,9 @@ def plan_series(component: str, patches: list[Path], target: Path, installed_onl
     results: list[PatchResult] = []
     for patch in patches:
         skips = per_patch_skips[patch]
+        if installed_only and skips and len(skips) == len(touched_paths(patch)):
+            results.append(PatchResult(patch, NOT_INSTALLED, "", skips))
+            continue
         fwd = _git_apply(scratch, patch, skips, "--check")
         if fwd.returncode == 0:
             done = _git_apply(scratch, patch, skips)

@@ -1,7 +1,8 @@
 """Upstream's own tests as a regression suite for the patched CPU environment.
 
-Runs tests of the pinned vLLM sdist (by default ``tests/v1/core/test_kv_cache_utils.py`` and
-``tests/v1/kv_connector/unit/``) against the *installed, patched* vLLM of a venv, then compares
+Runs tests of the pinned vLLM sdist (by default ``tests/v1/core/test_kv_cache_utils.py``,
+``tests/v1/kv_connector/unit/`` and the worker/attention tests of the files the KV-cache layout
+patches change, see DEFAULT_PATHS) against the *installed, patched* vLLM of a venv, then compares
 the outcome with the committed ledger ``ci/upstream/expected-failures.txt``:
 
 * a failing test (or a file that fails to collect) that the ledger does not name is a NEW FAILURE;
@@ -52,6 +53,13 @@ WORK_DIR = REPO_ROOT / "build" / "upstream-tests"
 DEFAULT_PATHS = (
     "tests/v1/core/test_kv_cache_utils.py",
     "tests/v1/kv_connector/unit",
+    # the layout ladder (issue 3): the runner's KV cache reshape/binding, bind_kv_cache, the
+    # attention/Mamba helpers and the head-stride handling the packed caches go through
+    "tests/v1/worker/test_gpu_model_runner.py",
+    "tests/v1/worker/test_utils.py",
+    "tests/v1/worker/test_attn_utils.py",
+    "tests/v1/worker/test_mamba_utils.py",
+    "tests/v1/attention/test_kv_head_stride_canonicalization.py",
 )
 QUICK_PATHS = ("tests/v1/core/test_kv_cache_utils.py",)
 DEFAULT_TIMEOUT = 300  # seconds per test (pytest-timeout)

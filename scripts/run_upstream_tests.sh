@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Run the pinned vLLM sdist's own tests (tests/v1/core/test_kv_cache_utils.py and
-# tests/v1/kv_connector/unit/) against the patched CPU venv and compare with the ledger
-# ci/upstream/expected-failures.txt. Run with --help for options and exit codes.
+# Run the pinned vLLM sdist's own tests (tests/v1/core/test_kv_cache_utils.py,
+# tests/v1/kv_connector/unit/ and worker tests of the layout ladder) against the patched CPU
+# venv and compare with the ledger ci/upstream/expected-failures.txt. Run with --help for
+# options and exit codes.
 #
-#   scripts/run_upstream_tests.sh                 # the whole suite (about 6 minutes on 2 cores)
+#   scripts/run_upstream_tests.sh                 # the whole suite (about 7 minutes on 2 cores)
 #   scripts/run_upstream_tests.sh --quick         # test_kv_cache_utils.py only (about a minute)
 #   scripts/run_upstream_tests.sh tests/v1/kv_connector/unit/test_nixl_connector.py -k hash
 #

@@ -1,8 +1,9 @@
 """vLLM's own tests (pinned sdist) against the patched CPU environment: no new failures and no
 stale entries in the ledger ci/upstream/expected-failures.txt.
 
-The slow test runs tests/v1/core/test_kv_cache_utils.py and tests/v1/kv_connector/unit/ through
-kvstack.upstream_tests (5-6 minutes on 2 idle cores). The fast tests check the ledger and the
+The slow test runs kvstack.upstream_tests' DEFAULT_PATHS (tests/v1/core/test_kv_cache_utils.py,
+tests/v1/kv_connector/unit/ and the worker/attention tests of the files the layout ladder changes;
+6-7 minutes on 2 idle cores). The fast tests check the ledger and the
 comparison rules the slow one relies on.
 """
 

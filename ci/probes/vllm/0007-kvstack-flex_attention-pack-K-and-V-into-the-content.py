@@ -1,6 +1,6 @@
 """Probe for patches/vllm/0007-kvstack-flex_attention-pack-K-and-V-into-the-content.patch.
 
-Upstream is "already there" when the release has 2/N (vllm-project/vllm#44455, first released in 0.26.0): the attention backends" caches
+Upstream is "already there" when the release has 2/N (vllm-project/vllm#44455, first released in 0.26.0): the attention backends' caches
 are packed `(num_blocks, num_kv_heads, block_size, 2*head_size)`.
 Upstream wrote the change in its own form, so the patch conflicts there instead of
 reverse-applying; this probe tells the two apart. Its tests: flex_attention"s packed cache.

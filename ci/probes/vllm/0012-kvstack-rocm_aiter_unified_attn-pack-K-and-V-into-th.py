@@ -1,6 +1,6 @@
 """Probe for patches/vllm/0012-kvstack-rocm_aiter_unified_attn-pack-K-and-V-into-th.patch.
 
-Upstream is "already there" when the release has 2/N (vllm-project/vllm#44455, first released in 0.26.0): the attention backends" caches
+Upstream is "already there" when the release has 2/N (vllm-project/vllm#44455, first released in 0.26.0): the attention backends' caches
 are packed `(num_blocks, num_kv_heads, block_size, 2*head_size)`.
 Upstream wrote the change in its own form, so the patch conflicts there instead of
 reverse-applying; this probe tells the two apart. Its tests: rocm_aiter_unified_attn"s packed cache.

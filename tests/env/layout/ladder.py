@@ -62,13 +62,14 @@ def installed_root() -> Path:
 
 @lru_cache(maxsize=1)
 def ladder_in_venv() -> bool:
-    """Whether the installed vLLM has the ladder: its last patch comes out without a conflict
-    (apply is all or nothing, so then every one of them is in)."""
+    """Whether the installed vLLM has the ladder: its last patch of installed files comes out
+    without a conflict (apply is all or nothing, so then every one of them is in)."""
     import tempfile
 
+    last = [p for p in ladder() if any(f.startswith("vllm/") for f in touched(p))][-1]
     with tempfile.TemporaryDirectory() as tmp:
         try:
-            overlay.build_overlay(ladder()[-1:], installed_root(), Path(tmp) / "o", reverse=True)
+            overlay.build_overlay([last], installed_root(), Path(tmp) / "o", reverse=True)
         except RuntimeError:
             return False
     return True

@@ -1,0 +1,18 @@
+"""Probe for patches/vllm/0015-kvstack-tests-test_kv_cache_stride_order-follows-the.patch.
+
+Upstream is "already there" when the release has 2/N (vllm-project/vllm#44455, first released in 0.26.0): the attention backends' caches
+are packed `(num_blocks, num_kv_heads, block_size, 2*head_size)`.
+Upstream wrote the change in its own form, so the patch conflicts there instead of
+reverse-applying; this probe tells the two apart. Its tests: upstream's test_kv_cache_stride_order.
+"""
+
+from pathlib import Path
+
+from _probelib import vllm_packed_kv
+
+# junit classnames of the patch's own tests (its rows in the unit / e2e-cpu suites).
+TESTS = ["*test_upstream_regression*"]  # runs upstream's tests, this one included
+
+
+def probe(tree: Path) -> bool:
+    return vllm_packed_kv(tree)
