@@ -7,8 +7,9 @@
 --format labels  one KEY=VALUE line per image label (scripts/docker_build.sh passes each as --label)
 --format json    the same labels plus the patch list as a JSON object (install_image.sh writes it into
                  the image as /opt/kvstack/share/kvstack/image.json)
---site-packages  also record, per patch, its state in that installed site-packages ("already applied"
-                 is what a good image has), read the way `kvstack doctor` reads it
+--site-packages  also record, per patch, its state in that installed site-packages ("already applied",
+                 or "nothing installed to patch" for a patch of upstream tests/ only, is what a good
+                 image has), read the way `kvstack doctor` reads it
 
 Labels: org.opencontainers.image.{title,description,licenses,version,source,revision},
 kvstack.target, kvstack.pin.<component>.<key> for every KEY=VALUE of vllm/pin.env and lmcache/pin.env
