@@ -260,6 +260,49 @@ def test_mooncake_hybrid_one_region_per_layer():
     assert lens == [NUM_BLOCKS * spec.page_size_bytes, NUM_BLOCKS * cc.BLOCK_BYTES]
 
 
+def test_nixl_hybrid_one_region_per_layer():
+    """NIXL on a hybrid model whose attention and Mamba layers share one KV cache tensor (the
+    hybrid allocator's pooling): the tensor is one region (base, num_blocks pages), the packed
+    attention view is one whole-block descriptor per block, and the Mamba view is split into
+    conv and ssm descriptors at their offsets in the page, read off the spec."""
+    from collections import defaultdict
+
+    page_bytes = cc.BLOCK_BYTES  # hybrid pages are unified: the Mamba page padded to it
+    spec = MambaSpec(block_size=cc.BLOCK_SIZE, shapes=((3, 16), (2, 8)),
+                     dtypes=(torch.bfloat16, torch.float32), page_size_padded=page_bytes)
+    conv_bytes, ssm_bytes = 3 * 16 * 2, 2 * 8 * 4
+    raw = torch.zeros(NUM_BLOCKS * page_bytes, dtype=torch.int8)
+    page = runner_reshape({"mamba": raw}, {"mamba": spec})["mamba"]
+    attn = raw.view(torch.bfloat16).view(NUM_BLOCKS, cc.NUM_HEADS, cc.BLOCK_SIZE, 2 * cc.HEAD_SIZE)
+    caches = {"model.layers.0.linear_attn": page, "model.layers.1.self_attn.attn": attn}
+    specs = {"model.layers.0.linear_attn": spec, "model.layers.1.self_attn.attn": cc.SPEC}
+    config = KVCacheConfig(
+        num_blocks=NUM_BLOCKS,
+        kv_cache_tensors=[KVCacheTensor(size=raw.numel(), shared_by=list(caches))],
+        kv_cache_groups=[KVCacheGroupSpec(["model.layers.0.linear_attn"], spec),
+                         KVCacheGroupSpec(["model.layers.1.self_attn.attn"], cc.SPEC)])
+    w = cc.nixl_worker(
+        cc.PackedBackend, caches, _has_mamba=True, kv_cache_config=config, _layer_specs=specs,
+        _group_spec_types=[MambaSpec, type(cc.SPEC)], _mamba_ssm_size=(conv_bytes, ssm_bytes),
+        _conv_decomp=SimpleNamespace(local_conv_offsets=[(0, conv_bytes)]),
+        kv_caches_base_addr=defaultdict(dict))
+    assert [(base, length) for base, length, _dev, _ in cc.reg_descs(w)] == [
+        (raw.data_ptr(), NUM_BLOCKS * page_bytes)]  # the shared tensor, once
+    assert w.block_len_per_layer == [page_bytes] and w.num_regions == 1
+    assert w.num_descs == NUM_BLOCKS
+    base = raw.data_ptr()
+    whole_blocks = [(base + b * page_bytes, page_bytes, 0) for b in range(NUM_BLOCKS)]
+    conv = [(base + b * page_bytes, conv_bytes, 0) for b in range(NUM_BLOCKS)]
+    ssm = [(base + b * page_bytes + conv_bytes, ssm_bytes, 0) for b in range(NUM_BLOCKS)]
+    assert cc.xfer_descs(w) == whole_blocks + conv + ssm
+    # the conv/ssm descriptors are where the layer's own bound views are
+    layer = TinyMamba(spec.shapes, spec.dtypes)
+    layer.bind_kv_cache(page)
+    conv_view, ssm_view = layer.kv_cache
+    assert conv_view.data_ptr() == base and ssm_view.data_ptr() == base + conv_bytes
+    assert conv_view.stride(0) * conv_view.element_size() == page_bytes
+
+
 def test_offloading_mamba_page():
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import (
         OffloadingConnectorWorker,

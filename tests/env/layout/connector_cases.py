@@ -269,7 +269,9 @@ def test_regions_mamba_unchanged():
 # ---- NIXL: register_kv_caches on a worker without NIXL -----------------------------------
 
 
-def nixl_worker(backend, kv_caches, *, layout="HND"):
+def nixl_worker(backend, kv_caches, *, layout="HND", **overrides):
+    """A NIXL worker (no NIXL: the wrapper is a mock) after register_kv_caches(kv_caches);
+    `overrides` replace its attributes (e.g. a hybrid model's specs)."""
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker as bw
 
     w = object.__new__(bw.NixlBaseConnectorWorker)
@@ -290,6 +292,7 @@ def nixl_worker(backend, kv_caches, *, layout="HND"):
         _group_spec_types=[type(SPEC)], compat_hash=None, host_xfer_buffers={},
         kv_buffer_device="cpu",
     )
+    attrs.update(overrides)
     for k, v in attrs.items():
         setattr(w, k, v)
     w.nixl_wrapper.get_agent_metadata.return_value = b"agent"

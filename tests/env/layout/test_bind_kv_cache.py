@@ -12,11 +12,11 @@ files), and "unpatched", the series without the ladder (0.25.1 with kvstack's ea
 patches: the ladder taken out again). Checks:
 - end to end on the CPU engine (each run in its own process): the tiny Qwen3-Next (GDN +
   attention) and the tiny Llama give identical greedy tokens patched and unpatched; the
-  Mamba views the engine bound are 0.25.1's (data_ptr, shape, stride,
-  dtype), and the CPU runner inherits the patched `_reshape_kv_cache_tensors`;
+  Mamba views the engine bound are 0.25.1's (data_ptr, shape, stride, dtype), and the CPU
+  runner inherits the patched `_reshape_kv_cache_tensors`;
 - bind_cases.py (one subprocess): the views, the runners (V1, V2), `bind_kv_cache`, transfer
-  regions for a Mamba and an attention layer, Mooncake and offloading registration; and the
-  same cases unpatched as a negative control (they must fail there).
+  regions for a Mamba and an attention layer, Mooncake, NIXL (hybrid) and offloading
+  registration; and the same cases unpatched as a negative control (they must fail there).
 """
 
 from __future__ import annotations
