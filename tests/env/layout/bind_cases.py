@@ -4,8 +4,9 @@ test_bind_kv_cache.py in a subprocess: `python -m pytest bind_cases.py`.
 Not collected by the outer test run (the name does not start with `test_`). When
 KVSTACK_BIND_OVERLAY names a folder, every `vllm/...py` file in it replaces the installed
 module of the same name (bind_worker's meta-path finder, installed before vLLM is imported),
-so the patched files are tested without touching the shared venv. Without it the installed
-vLLM 0.25.1 is tested: the negative control, where the [3/N] cases must fail.
+so the files under test never touch the shared venv. test_bind_kv_cache.py runs them twice: on
+the series up to [3/N], and on the files without the layout ladder (0.25.1's: the negative
+control, where the [3/N] cases must fail).
 
 Real CPU tensors; the reference for the Mamba views is vLLM 0.25.1's own construction
 (bind_worker.reference_0251_views); only the transports are mocks.
