@@ -14,6 +14,8 @@ A patch whose files the later patches do not touch therefore sees exactly the in
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 import sys
 from functools import lru_cache
 from pathlib import Path
@@ -89,3 +91,15 @@ def state_root(dest: Path, upto: Path | None, *, include: bool = True) -> Path:
     else:
         overlay.build_overlay(steps[:cut], installed_root(), dest, files_of=steps)
     return dest
+
+
+def check_applies(patch: Path, source_root: Path, dest: Path) -> None:
+    """`patch` (-p1) applies to copies, under dest, of the files it touches in source_root (a
+    tree or site-packages laid out like one)."""
+    files = touched(patch)
+    for rel in files:
+        (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(source_root / rel, dest / rel)
+    res = subprocess.run(["git", "apply", "-p1", "--check", *[f"--include={rel}" for rel in files],
+                          str(patch)], cwd=dest, capture_output=True, text=True)
+    assert res.returncode == 0, f"{patch.name} does not apply to {source_root}: {res.stderr}"

@@ -52,7 +52,6 @@ import json
 import os
 import sys
 import traceback
-import types
 from types import MethodType, SimpleNamespace
 
 BACKEND = sys.argv[1]

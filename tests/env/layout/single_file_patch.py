@@ -6,26 +6,13 @@ checks it in a subprocess, and check the patch's trailers."""
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 
-from ladder import find_patch, state_root  # noqa: E402
-
-
-def apply_to_copy(patch: Path, source_root: Path, dest: Path, target: str, *,
-                  check_only: bool = False) -> None:
-    """Apply `patch` (-p1, rooted at the upstream repo) to a copy of `target` from source_root."""
-    (dest / target).parent.mkdir(parents=True, exist_ok=True)
-    shutil.copy2(source_root / target, dest / target)
-    cmd = ["git", "apply", "-p1", f"--include={target}", str(patch)]
-    if check_only:
-        cmd.insert(2, "--check")
-    res = subprocess.run(cmd, cwd=dest, capture_output=True, text=True)
-    assert res.returncode == 0, f"{patch.name} does not apply to {source_root}: {res.stderr}"
+from ladder import check_applies, find_patch, state_root  # noqa: E402
 
 
 def patched_file(tmp_dir: Path, subject: str, target: str) -> Path:
@@ -47,9 +34,9 @@ def check_applies_to_sdist_and_site(subject: str, target: str, sdist: Path,
     """The same -p1 patch applies to the pristine sdist tree and to the installed package as it
     is before this patch (no earlier patch touches `target`: the pristine file is that too)."""
     patch = find_patch(subject, target)
-    apply_to_copy(patch, sdist, tmp_path / "sdist", target, check_only=True)
+    check_applies(patch, sdist, tmp_path / "sdist")
     before = state_root(tmp_path / "before", patch, include=False)
-    apply_to_copy(patch, before, tmp_path / "site", target, check_only=True)
+    check_applies(patch, before, tmp_path / "site")
     assert (before / target).read_bytes() == (sdist / target).read_bytes()
 
 

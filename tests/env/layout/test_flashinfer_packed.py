@@ -50,8 +50,7 @@ from pathlib import Path
 
 import pytest
 
-from ladder import find_patch, series_patches, state_root, touched
-from test_transfer_topology_packed import apply_to_copy
+from ladder import check_applies, find_patch, series_patches, state_root, touched
 
 pytestmark = pytest.mark.env
 
@@ -138,8 +137,8 @@ def test_patch_applies_to_sdist_and_site_packages(tmp_path, pristine_tree, refer
     """The same -p1 patch applies to the pristine sdist tree and to the installed package as it
     is before this patch."""
     patch = find_patch(SUBJECT)
-    apply_to_copy(patch, pristine_tree("vllm"), tmp_path / "sdist", check_only=True)
-    apply_to_copy(patch, reference_file.parents[4], tmp_path / "site", check_only=True)
+    check_applies(patch, pristine_tree("vllm"), tmp_path / "sdist")
+    check_applies(patch, reference_file.parents[4], tmp_path / "site")
 
 
 def test_patch_trailers_and_scope():

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -101,19 +100,6 @@ def unpatched(tmp_path_factory) -> Path:
     return state_root(tmp_path_factory.mktemp("unpatched"), None)
 
 
-def apply_to_copy(patch: Path, targets: list[str], source_root: Path, dest: Path, *,
-                  check_only: bool = False) -> None:
-    """Apply `patch` (-p1) to copies of its target files taken from source_root."""
-    for target in targets:
-        (dest / target).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(source_root / target, dest / target)
-    cmd = ["git", "apply", "-p1", *[f"--include={t}" for t in targets], str(patch)]
-    if check_only:
-        cmd.insert(2, "--check")
-    res = subprocess.run(cmd, cwd=dest, capture_output=True, text=True)
-    assert res.returncode == 0, f"{patch.name} does not apply to {source_root}: {res.stderr}"
-
-
 def run_worker(backend: str, files: list[Path], only: list[str] | None = None) -> dict:
     env = dict(os.environ)
     if backend == "turboquant_attn":
@@ -179,9 +165,10 @@ def test_negative_control_unpatched_fails(backend, unpatched):
 def test_patch_applies_to_sdist_and_site_packages(tmp_path, pristine_tree, unpatched, backend):
     """The same -p1 patch applies to the pristine sdist tree and to the installed package as it
     is before the ladder (no other patch touches these files)."""
-    patch, targets = find_patch(backend), BACKENDS[backend]["targets"]
-    apply_to_copy(patch, targets, pristine_tree("vllm"), tmp_path / "sdist", check_only=True)
-    apply_to_copy(patch, targets, unpatched, tmp_path / "site", check_only=True)
+    patch = find_patch(backend)
+    assert touched(patch) == BACKENDS[backend]["targets"]
+    ladder.check_applies(patch, pristine_tree("vllm"), tmp_path / "sdist")
+    ladder.check_applies(patch, unpatched, tmp_path / "site")
 
 
 @pytest.mark.parametrize("backend", list(BACKENDS))

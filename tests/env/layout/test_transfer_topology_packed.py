@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import ast
 import os
-import shutil
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -28,7 +27,7 @@ from pathlib import Path
 import pytest
 
 import ladder
-from ladder import installed_root, series_patches, touched  # noqa: F401 (used by other tests)
+from ladder import touched
 
 pytestmark = pytest.mark.env
 
@@ -48,19 +47,6 @@ ALLOWED = {
 
 def find_patch(subject: str = SUBJECT) -> Path:
     return ladder.find_patch(subject)
-
-
-def apply_to_copy(patch: Path, source_root: Path, dest: Path, *, check_only: bool = False) -> None:
-    """Apply the -p1 patch to copies (under dest) of the files it touches in source_root."""
-    files = touched(patch)
-    for rel in files:
-        (dest / rel).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(source_root / rel, dest / rel)
-    cmd = ["git", "apply", "-p1", *[f"--include={rel}" for rel in files], str(patch)]
-    if check_only:
-        cmd.insert(2, "--check")
-    res = subprocess.run(cmd, cwd=dest, capture_output=True, text=True)
-    assert res.returncode == 0, f"{patch.name} does not apply to {source_root}: {res.stderr}"
 
 
 def case_names() -> list[str]:
@@ -113,9 +99,9 @@ def test_patch_applies_to_sdist_and_site_packages(tmp_path, pristine_tree):
     """The same -p1 patch applies to the pristine sdist tree and to the installed package as it
     is before this patch."""
     patch = find_patch()
-    apply_to_copy(patch, pristine_tree("vllm"), tmp_path / "sdist", check_only=True)
+    ladder.check_applies(patch, pristine_tree("vllm"), tmp_path / "sdist")
     before = ladder.state_root(tmp_path / "before", patch, include=False)
-    apply_to_copy(patch, before, tmp_path / "site", check_only=True)
+    ladder.check_applies(patch, before, tmp_path / "site")
     assert MARKER[1] in (ladder.state_root(tmp_path / "after", patch) / MARKER[0]).read_text()
 
 
