@@ -29,17 +29,17 @@ What runs for real and what is a stand-in:
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
 import os
 import sys
-import traceback
 from pathlib import Path
 from types import MethodType, SimpleNamespace
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 
 import torch  # noqa: E402
+from worker_common import FP8, CASES, case, load_module, run_cases  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 import triton.language.extra.libdevice as tldevice  # noqa: E402
@@ -66,10 +66,7 @@ def load_overlay(rel: str):
     name = rel.removesuffix(".py").replace("/", ".")
     parent, _, leaf = name.rpartition(".")
     importlib.import_module(parent)  # the package __init__ only, not the module
-    spec = importlib.util.spec_from_file_location(name, OVERLAY / rel)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
+    mod = load_module(OVERLAY / rel, name)
     setattr(sys.modules[parent], leaf, mod)
     return mod
 
@@ -81,7 +78,6 @@ for _rel in FILES:
 # a split by head_size alone would give three pieces.
 NB, BS, HKV, HQ, DK, DV = 6, 16, 2, 4, 32, 64
 C = DK + DV
-FP8 = torch.float8_e4m3fn
 if BACKEND == "triton_attn_diffkv":
     Backend, Impl = M.TritonAttentionDiffKVBackend, M.TritonAttentionDiffKVImpl
     NAME = "TRITON_ATTN_DIFFKV"
@@ -204,16 +200,6 @@ def on_fp8_grid(w, k_scale, v_scale):
         x = getattr(w, name)
         setattr(w, name, ((x.float() / scale).to(FP8).float() * scale).to(x.dtype))
     return w
-
-
-CASES = {}
-
-
-def case(name):
-    def deco(fn):
-        CASES[name] = fn
-        return fn
-    return deco
 
 
 # ---- shapes, stride orders, views ----------------------------------------------------------
@@ -451,17 +437,7 @@ for _layout in ("NHD", "HND"):
 
 
 def main() -> None:
-    results = {}
-    for name, fn in CASES.items():
-        if ONLY and name not in ONLY:
-            continue
-        try:
-            fn()
-            results[name] = {"ok": True, "detail": ""}
-        except Exception:  # noqa: BLE001 - reported to the test
-            results[name] = {"ok": False, "detail": traceback.format_exc(limit=4)}
-    print(json.dumps(results))
-
+    print(json.dumps(run_cases(ONLY, limit=4)))
 
 if __name__ == "__main__":
     main()

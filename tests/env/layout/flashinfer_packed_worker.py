@@ -41,14 +41,14 @@ import os
 os.environ["TRITON_INTERPRET"] = "1"  # before Triton is imported
 
 import importlib.machinery
-import importlib.util
 import json
 import sys
-import traceback
 import types
 from types import SimpleNamespace
 
 import torch
+from worker_common import (FP8, CASES, case, load_module, ref_reshape_and_cache_flash,
+                           register_store_stand_in, run_cases)
 import triton  # noqa: E402  (real Triton, interpreted: TRITON_INTERPRET=1 above)
 import triton.language as tl  # noqa: E402
 import triton.language.extra.libdevice as tldevice  # noqa: E402
@@ -65,7 +65,6 @@ REF_PATH = sys.argv[2]
 ONLY = set(sys.argv[3:])
 
 NB, BS, HKV, HQ, D = 8, 16, 2, 4, 64
-FP8 = torch.float8_e4m3fn
 NV_DATA, NV_SCALE = D // 2, D // 16
 NV_FULL = NV_DATA + NV_SCALE
 
@@ -110,14 +109,6 @@ except ImportError:
     _install_flashinfer_stubs()
 
 
-def load(path: str, name: str):
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
 # ---- the stand-in for the compiled store op -----------------------------------------------
 
 def _storage_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -156,38 +147,18 @@ def ref_nvfp4_store(key, value, key_cache, value_cache, slot_mapping):
                 flat[s0: s0 + scale_dim] = nvfp4_pattern(x[t, h, data_dim:], scale_dim, 2 * side + 1)
 
 
-def ref_reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping,
-                                kv_cache_dtype, k_scale, v_scale):
-    assert key_cache.stride(0) == value_cache.stride(0), "the CUDA op checks this"
+def store_stand_in(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype,
+                   k_scale, v_scale):
+    """worker_common's stand-in, plus the nvfp4 store (a separate compiled op in vLLM)."""
     if kv_cache_dtype == "nvfp4":
         return ref_nvfp4_store(key, value, key_cache, value_cache, slot_mapping)
-    assert key_cache.dim() == 4 and key_cache.shape[2:] == key.shape[1:], key_cache.shape
-    n = slot_mapping.shape[0]
-    slots = slot_mapping.to(torch.int64)
-    valid = slots >= 0
-    block_size = key_cache.size(1)
-    blocks, offsets = slots[valid] // block_size, slots[valid] % block_size
-
-    def convert(x, scale, cache):
-        x = x[:n][valid]
-        if kv_cache_dtype.startswith("fp8"):
-            q = (x.float() / scale.float()).to(FP8)
-            return q.view(torch.uint8) if cache.dtype == torch.uint8 else q.to(cache.dtype)
-        return x.to(cache.dtype)
-
-    key_cache[blocks, offsets] = convert(key, k_scale, key_cache)
-    value_cache[blocks, offsets] = convert(value, v_scale, value_cache)
+    return ref_reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping,
+                                       kv_cache_dtype, k_scale, v_scale)
 
 
-_LIB = torch.library.Library("_C_cache_ops", "FRAGMENT")
-_LIB.define(
-    "reshape_and_cache_flash(Tensor key, Tensor value, Tensor(a!) key_cache, "
-    "Tensor(b!) value_cache, Tensor slot_mapping, str kv_cache_dtype, Tensor k_scale, "
-    "Tensor v_scale) -> ()"
-)
-_LIB.impl("reshape_and_cache_flash", ref_reshape_and_cache_flash, "CPU")
+_LIB = register_store_stand_in(store_stand_in)
 
-M = load(PATH, "kvstack_layout_fi_under_test")
+M = load_module(PATH, "kvstack_layout_fi_under_test")
 Backend = M.FlashInferBackend
 
 
@@ -295,16 +266,6 @@ def make_impl(kv_cache_dtype="auto", mod=None):
     mod.can_use_trtllm_attention = lambda *args, **kwargs: False
     return mod.FlashInferImpl(num_heads=HQ, head_size=D, scale=D**-0.5, num_kv_heads=HKV,
                             alibi_slopes=None, sliding_window=None, kv_cache_dtype=kv_cache_dtype)
-
-
-CASES = {}
-
-
-def case(name):
-    def deco(fn):
-        CASES[name] = fn
-        return fn
-    return deco
 
 
 def expect_value_error(fn, *needles):
@@ -523,7 +484,7 @@ for _layout in ("NHD", "HND"):
 def _():
     """nvfp4 HND: the bytes the store writes are where 0.25.1 put them, and where the
     forward's data/scale views read them; other slots stay zero."""
-    ref = load(REF_PATH, "kvstack_layout_fi_0251")
+    ref = load_module(REF_PATH, "kvstack_layout_fi_0251")
     w = workload(torch.bfloat16)
     layer = make_layer()
     new = allocate("HND", torch.uint8, "nvfp4", offset=9)
@@ -717,17 +678,7 @@ def _():
 
 
 def main() -> None:
-    results = {}
-    for name, fn in CASES.items():
-        if ONLY and name not in ONLY:
-            continue
-        try:
-            fn()
-            results[name] = {"ok": True, "detail": ""}
-        except Exception:  # noqa: BLE001 - reported to the test
-            results[name] = {"ok": False, "detail": traceback.format_exc(limit=6)}
-    print(json.dumps({"_flashinfer_installed": HAVE_FLASHINFER, **results}))
-
+    print(json.dumps({"_flashinfer_installed": HAVE_FLASHINFER, **run_cases(ONLY)}))
 
 if __name__ == "__main__":
     main()

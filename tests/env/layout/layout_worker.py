@@ -16,17 +16,15 @@ point of the check that the unmodified 0.25.1 kernels take the packed views).
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import json
 import os
 import sys
-import traceback
 from types import MethodType, SimpleNamespace
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 
 import torch  # noqa: E402
+from worker_common import CASES, case, load_module, run_cases  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 import triton.language.extra.libdevice as tldevice  # noqa: E402
@@ -46,15 +44,7 @@ from vllm.v1.kv_cache_interface import KVQuantMode, get_kv_quant_mode  # noqa: E
 MODULE_NAME = "kvstack_layout_patched_triton_attn"
 
 
-def load_patched(path: str):
-    spec = importlib.util.spec_from_file_location(MODULE_NAME, path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[MODULE_NAME] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-TA = load_patched(sys.argv[1])
+TA = load_module(sys.argv[1], MODULE_NAME)
 Backend = TA.TritonAttentionBackend
 
 # Tiny shapes: the interpreter runs every program instance in Python.
@@ -171,16 +161,6 @@ def reference(w, keys=None, vals=None):
         tok0 += L
         q0 += ql
     return out
-
-
-CASES = {}
-
-
-def case(name):
-    def deco(fn):
-        CASES[name] = fn
-        return fn
-    return deco
 
 
 # ---- shapes and stride orders (no kernel) -------------------------------------------------
@@ -338,18 +318,7 @@ for _layout in ("NHD", "HND"):
 
 
 def main() -> None:
-    only = set(sys.argv[2:])
-    results = {}
-    for name, fn in CASES.items():
-        if only and name not in only:
-            continue
-        try:
-            fn()
-            results[name] = {"ok": True, "detail": ""}
-        except Exception:  # noqa: BLE001 - reported to the test
-            results[name] = {"ok": False, "detail": traceback.format_exc(limit=4)}
-    print(json.dumps(results))
-
+    print(json.dumps(run_cases(set(sys.argv[2:]), limit=4)))
 
 if __name__ == "__main__":
     main()

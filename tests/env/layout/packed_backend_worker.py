@@ -27,13 +27,14 @@ What runs for real and what is a stand-in (CPU only, no GPU here):
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
-import traceback
 from types import MethodType, SimpleNamespace
 
 import torch
+
+from worker_common import (FP8, CASES, case, load_module, register_store_stand_in,
+                           run_cases)
 
 import vllm._custom_ops as custom_ops
 from vllm.v1.attention.backend import AttentionType, CommonAttentionMetadata
@@ -43,60 +44,24 @@ PATH = sys.argv[2]
 ONLY = set(sys.argv[3:])
 
 NB, BS, HKV, HQ, D = 8, 16, 2, 4, 32
-FP8 = torch.float8_e4m3fn
 
 
-def load_patched(path: str, name: str):
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+# ---- the stand-in for the compiled store op (worker_common) -------------------------------
 
-
-# ---- the stand-in for the compiled store op ----------------------------------------------
-
-def ref_reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping,
-                                kv_cache_dtype, k_scale, v_scale):
-    assert key_cache.stride(0) == value_cache.stride(0), "the CUDA op checks this"
-    assert key_cache.dim() == 4 and key_cache.shape[2:] == key.shape[1:], key_cache.shape
-    n = slot_mapping.shape[0]  # the op uses the slot mapping's length, not key's
-    slots = slot_mapping.to(torch.int64)
-    valid = slots >= 0
-    block_size = key_cache.size(1)
-    blocks, offsets = slots[valid] // block_size, slots[valid] % block_size
-
-    def convert(x, scale, cache):
-        x = x[:n][valid]
-        if kv_cache_dtype.startswith("fp8"):
-            q = (x.float() / scale.float()).to(FP8)
-            return q.view(torch.uint8) if cache.dtype == torch.uint8 else q.to(cache.dtype)
-        return x.to(cache.dtype)
-
-    key_cache[blocks, offsets] = convert(key, k_scale, key_cache)
-    value_cache[blocks, offsets] = convert(value, v_scale, value_cache)
-
-
-_LIB = torch.library.Library("_C_cache_ops", "FRAGMENT")
-_LIB.define(
-    "reshape_and_cache_flash(Tensor key, Tensor value, Tensor(a!) key_cache, "
-    "Tensor(b!) value_cache, Tensor slot_mapping, str kv_cache_dtype, Tensor k_scale, "
-    "Tensor v_scale) -> ()"
-)
-_LIB.impl("reshape_and_cache_flash", ref_reshape_and_cache_flash, "CPU")
+_LIB = register_store_stand_in()
 
 
 # ---- shared helpers -----------------------------------------------------------------------
 
 if BACKEND == "flash_attn":
-    M = load_patched(PATH, "kvstack_layout_patched_flash_attn")
+    M = load_module(PATH, "kvstack_layout_patched_flash_attn")
     Backend = M.FlashAttentionBackend
     Impl = M.FlashAttentionImpl
     # The CPU wheel has no vllm-flash-attn: fa_utils defines neither name. The store goes
     # through vLLM's own Python wrapper (vllm._custom_ops) to the op registered above.
     M.reshape_and_cache_flash = custom_ops.reshape_and_cache_flash
 elif BACKEND == "flex_attention":
-    M = load_patched(PATH, "kvstack_layout_patched_flex_attention")
+    M = load_module(PATH, "kvstack_layout_patched_flex_attention")
     Backend = M.FlexAttentionBackend
     Impl = M.FlexAttentionImpl
 else:
@@ -197,16 +162,6 @@ def expected_bytes(x, cache_dtype, kv_cache_dtype, scale):
     if kv_cache_dtype.startswith("fp8"):
         return (x.float() / scale).to(FP8).view(torch.uint8)
     return x.to(cache_dtype)
-
-
-CASES = {}
-
-
-def case(name):
-    def deco(fn):
-        CASES[name] = fn
-        return fn
-    return deco
 
 
 # ---- shapes, stride orders, views (both backends) ------------------------------------------
@@ -494,17 +449,7 @@ else:
 
 
 def main() -> None:
-    results = {}
-    for name, fn in CASES.items():
-        if ONLY and name not in ONLY:
-            continue
-        try:
-            fn()
-            results[name] = {"ok": True, "detail": ""}
-        except Exception:  # noqa: BLE001 - reported to the test
-            results[name] = {"ok": False, "detail": traceback.format_exc(limit=6)}
-    print(json.dumps(results))
-
+    print(json.dumps(run_cases(ONLY)))
 
 if __name__ == "__main__":
     main()

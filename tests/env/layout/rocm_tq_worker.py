@@ -51,7 +51,6 @@ import importlib.util
 import json
 import os
 import sys
-import traceback
 from types import MethodType, SimpleNamespace
 
 BACKEND = sys.argv[1]
@@ -75,52 +74,19 @@ if BACKEND == "turboquant_attn":
     torch.cuda.get_device_capability = lambda *a, **k: (9, 0)
 
 import torch  # noqa: E402
+from worker_common import (  # noqa: E402
+    FP8, CASES, case, load_module, register_store_stand_in, run_cases)
 
 from vllm._aiter_ops import rocm_aiter_ops  # noqa: E402
 from vllm.v1.attention.backend import AttentionType  # noqa: E402
 
 NB, BS, HKV, HQ, D = 8, 16, 2, 4, 64
-FP8 = torch.float8_e4m3fn
 
 
-def load_module(path: str, name: str):
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-# ---- stand-in for the compiled store op (same contract as packed_backend_worker.py) -----
-
-def ref_reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping,
-                                kv_cache_dtype, k_scale, v_scale):
-    assert key_cache.stride(0) == value_cache.stride(0), "the compiled op checks this"
-    assert key_cache.dim() == 4 and key_cache.shape[2:] == key.shape[1:], key_cache.shape
-    n = slot_mapping.shape[0]
-    slots = slot_mapping.to(torch.int64)
-    valid = slots >= 0
-    blocks, offsets = slots[valid] // key_cache.size(1), slots[valid] % key_cache.size(1)
-
-    def convert(x, scale, cache):
-        x = x[:n][valid]
-        if kv_cache_dtype.startswith("fp8"):
-            q = (x.float() / scale.float()).to(FP8)
-            return q.view(torch.uint8) if cache.dtype == torch.uint8 else q.to(cache.dtype)
-        return x.to(cache.dtype)
-
-    key_cache[blocks, offsets] = convert(key, k_scale, key_cache)
-    value_cache[blocks, offsets] = convert(value, v_scale, value_cache)
-
+# ---- the stand-in for the compiled store op (worker_common) -------------------------------
 
 if BACKEND != "turboquant_attn":
-    _LIB = torch.library.Library("_C_cache_ops", "FRAGMENT")
-    _LIB.define(
-        "reshape_and_cache_flash(Tensor key, Tensor value, Tensor(a!) key_cache, "
-        "Tensor(b!) value_cache, Tensor slot_mapping, str kv_cache_dtype, Tensor k_scale, "
-        "Tensor v_scale) -> ()"
-    )
-    _LIB.impl("reshape_and_cache_flash", ref_reshape_and_cache_flash, "CPU")
+    _LIB = register_store_stand_in()
 
 
 def set_shuffle(enabled: bool) -> None:
@@ -292,16 +258,6 @@ def expected(x, kv_cache_dtype, cache_dtype, scale=1.0):
     if kv_cache_dtype.startswith("fp8"):
         return (x.float() / scale).to(FP8).view(torch.uint8)
     return x.to(cache_dtype)
-
-
-CASES = {}
-
-
-def case(name):
-    def deco(fn):
-        CASES[name] = fn
-        return fn
-    return deco
 
 
 # ---- ROCm AITER FA and unified attention ------------------------------------------------
@@ -608,17 +564,8 @@ if BACKEND == "turboquant_attn":
 
 
 def main() -> None:
-    results = {}
     only = set(filter(None, os.environ.get("KVSTACK_LAYOUT_CASES", "").split(",")))
-    for name, fn in CASES.items():
-        if only and name not in only:
-            continue
-        try:
-            fn()
-            results[name] = {"ok": True, "detail": ""}
-        except Exception as e:  # noqa: BLE001 - report every case
-            results[name] = {"ok": False, "detail": f"{type(e).__name__}: {e}\n"
-                             + traceback.format_exc()[-1500:]}
+    results = run_cases(only)
     results["_meta"] = {"ok": True, "detail": f"aiter_importable={AITER_IMPORTABLE}"}
     print(json.dumps(results))
 
