@@ -103,6 +103,12 @@ class PagePool:
             n += 1
         return n
 
+    def num_idle_hits(self, hashes: list[bytes], num_hit_pages: int) -> int:
+        """How many of the first `num_hit_pages` pages of `hashes` are cached and held by no
+        request: `num_available()` counts them, but a hit takes them out of reach of eviction,
+        so admission must not count them as free space too."""
+        return sum(1 for h in hashes[:num_hit_pages] if self._ref[self._page_of[h]] == 0)
+
     def start(self, req_id: str, hashes: list[bytes], num_hit_pages: int) -> None:
         """Open a request, sharing its first `num_hit_pages` pages with the cache."""
         req = _Req()
@@ -147,7 +153,10 @@ class PagePool:
         req = self._reqs.pop(req_id, None)
         if req is None:
             return
-        for p in req.pages:
+        # Last page first: the LRU evicts its oldest entry, so a cached prefix loses its tail
+        # before its head, and every page left in the cache stays reachable by the chain of
+        # hashes (a page whose predecessor was evicted could never be hit again).
+        for p in reversed(req.pages):
             self._ref[p] -= 1
             if self._ref[p] == 0:
                 if p in self._hash_of:

@@ -63,7 +63,9 @@ class _SchedulerSide:
         if self.prefix_reuse and num_computed_tokens == 0:
             hit_pages = self.pool.match_prefix(self._hashes_of(request))
             hit_pages = min(hit_pages, (request.num_prompt_tokens - 1) // self.cfg.page_tokens)
-        free = self.pool.num_available() - self._outstanding()
+        # Cached pages this request hits are taken, not freed: counted once, as hits.
+        idle_hits = self.pool.num_idle_hits(self._hashes_of(request), hit_pages) if hit_pages else 0
+        free = self.pool.num_available() - idle_hits - self._outstanding()
         if need - hit_pages > free:
             if self.cfg.on_host_tier_full == "wait":
                 self.pool.stats.waited_for_space += 1
@@ -118,7 +120,9 @@ class _SchedulerSide:
             try:
                 self.pool.ensure(rid, start + n)
             except HostTierFull:
-                # Cannot happen with admission reservations; kept as a clear error.
+                # Cannot happen: admission keeps num_available() >= every live request's
+                # reserved pages not yet allocated (tests/env/streaming/test_scheduler_side.py
+                # checks it over random schedules). Kept as a clear error.
                 logger.error("kvstack streaming: host tier full for request %s", rid)
                 raise
             blocks = self._blocks[rid]

@@ -111,3 +111,58 @@ def test_host_tier_smaller_than_max_model_len_is_refused():
     vc = SimpleNamespace(model_config=SimpleNamespace(max_model_len=100))
     with pytest.raises(ValueError, match="host tier"):
         _SchedulerSide(StreamingConfig(page_tokens=4), layout, vc)
+
+
+def test_cached_prefix_is_evicted_from_its_tail():
+    from kvstack.streaming.host_tier import PagePool, page_hashes
+
+    pool = PagePool(6, 4)
+    hashes = page_hashes(list(range(16)), 4)  # 4 full pages
+    pool.start("a", hashes, 0)
+    pool.ensure("a", 16)
+    pool.register_full_pages("a", hashes, 16)
+    pool.finish("a")
+    assert pool.match_prefix(hashes) == 4 and pool.num_cached() == 4
+    pool.start("b", [], 0)
+    pool.ensure("b", 12)  # 2 free pages, then 1 evicted: the prefix's last page
+    assert pool.stats.evicted_pages == 1
+    assert pool.match_prefix(hashes) == 3  # the head is still reachable
+    pool.ensure("b", 20)  # two more evictions, tail first again
+    assert pool.match_prefix(hashes) == 1 and pool.num_cached() == 1
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_admission_never_overcommits_under_random_schedules(seed):
+    """Random arrivals (many extending cached prefixes), steps and finishes: every admitted
+    request gets its pages when it needs them (ensure never raises), and the tier always has
+    room for what running requests reserved. Before cached hits stopped counting as free
+    pages too, some seeds raised HostTierFull here."""
+    import random
+
+    rnd = random.Random(seed)
+    s = _side(num_pages=12, page=4, on_full="fail")
+    prefixes = [[1000 * k + i for i in range(rnd.randint(4, 20))] for k in range(3)]
+    live: dict[str, list[int]] = {}  # rid -> [computed, total]
+    for t in range(200):
+        if rnd.random() < 0.5 and len(live) < 4:
+            base = rnd.choice(prefixes)
+            ids = base + [7 + t * 31 + i for i in range(rnd.randint(0, 12))]
+            rid = f"r{t}"
+            req = SimpleNamespace(request_id=rid, num_prompt_tokens=len(ids),
+                                  max_tokens=rnd.randint(1, 6), prompt_token_ids=ids)
+            hit, _ = s.get_num_new_matched_tokens(req, 0)
+            if hit is not None:
+                s.update_state_after_alloc(req, hit)
+                live[rid] = [hit, len(ids) + req.max_tokens - 1]
+                s._blocks[rid] = list(range(100))
+            s.take_failed()
+        sched = {rid: min(rnd.randint(1, 8), tot - done) for rid, (done, tot) in live.items()
+                 if tot > done}
+        if sched:
+            s.build_meta(_out(cached=[(rid, None, live[rid][0]) for rid in sched], sched=sched))
+            for rid, n in sched.items():
+                live[rid][0] += n
+        for rid in [r for r, (done, tot) in live.items() if done >= tot or rnd.random() < 0.05]:
+            s.finish(rid)
+            del live[rid]
+        assert s.pool.num_available() >= s._outstanding()
