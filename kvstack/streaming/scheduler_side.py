@@ -36,7 +36,8 @@ class _SchedulerSide:
                            "would need their device KV restored)")
         self._reserved: dict[str, int] = {}  # req_id -> pages reserved at admission
         self._hashes: dict[str, list[bytes]] = {}
-        self._blocks: dict[str, list[int]] = {}  # streaming-group block ids per request
+        # block ids per request in each streaming group
+        self._blocks: dict[str, dict[int, list[int]]] = {}
         self._prompt_len: dict[str, int] = {}
         self._failed: dict[str, str] = {}  # req_id -> reason, until the scheduler takes it
         self.max_pages_in_use = 0
@@ -101,19 +102,21 @@ class _SchedulerSide:
 
     def build_meta(self, so: "SchedulerOutput") -> StreamingMetadata:
         meta = StreamingMetadata()
-        g = self.layout.group
+        groups = self.layout.all_groups()
         bs = self.layout.block_size
         steps: list[tuple[str, int]] = []
         for nr in so.scheduled_new_reqs:
-            self._blocks[nr.req_id] = list(nr.block_ids[g])
+            self._blocks[nr.req_id] = {g: list(nr.block_ids[g]) for g in groups}
             steps.append((nr.req_id, nr.num_computed_tokens))
         cr = so.scheduled_cached_reqs
         for i, rid in enumerate(cr.req_ids):
             nb = cr.new_block_ids[i]
             if rid in cr.resumed_req_ids:
-                self._blocks[rid] = list(nb[g]) if nb is not None else []
+                self._blocks[rid] = {g: list(nb[g]) if nb is not None else [] for g in groups}
             elif nb is not None:
-                self._blocks.setdefault(rid, []).extend(nb[g])
+                held = self._blocks.setdefault(rid, {g: [] for g in groups})
+                for g in groups:
+                    held[g].extend(nb[g])
             steps.append((rid, cr.num_computed_tokens[i]))
         for rid, start in steps:
             n = so.num_scheduled_tokens[rid]
@@ -125,9 +128,10 @@ class _SchedulerSide:
                 # checks it over random schedules). Kept as a clear error.
                 logger.error("kvstack streaming: host tier full for request %s", rid)
                 raise
-            blocks = self._blocks[rid]
-            anchor = blocks[start // bs] * bs + start % bs
-            meta.reqs.append(ReqStep(rid, start, n, anchor, list(self.pool.pages(rid))))
+            anchors = {g: blocks[start // bs] * bs + start % bs
+                       for g, blocks in self._blocks[rid].items()}
+            first = anchors.pop(self.layout.group)
+            meta.reqs.append(ReqStep(rid, start, n, first, list(self.pool.pages(rid)), anchors))
             if self.prefix_reuse:
                 self.pool.register_full_pages(
                     rid, self._hashes.get(rid, []), min(start + n, self._prompt_len.get(rid, 0)))

@@ -18,13 +18,16 @@ class _WorkerSide:
         self.store = HostStore(list(layout.layers), layout.num_pages, cfg.page_tokens,
                                layout.num_kv_heads, layout.head_size, layout.dtype,
                                path=cfg.host_tier_path)
-        self._by_slot: dict[int, ReqStep] = {}
+        self._group_of = {name: layout.group_of(name) for name in layout.layers}
+        self._by_slot: dict[int, dict[int, ReqStep]] = {}  # group -> anchor slot -> request
         # CPU: one-window histories go through vLLM's own CPU kernel (cpu_native.py); decided
         # at the first streaming layer (None: not yet), off when the layers use another backend.
         self._native: bool | None = None if cfg.cpu_native_attention else False
 
     def begin_step(self, meta: StreamingMetadata) -> None:
-        self._by_slot = {r.anchor_slot: r for r in meta.reqs}
+        first = self.layout.group
+        self._by_slot = {g: {r.anchor(g, first): r for r in meta.reqs}
+                         for g in self.layout.all_groups()}
 
     def attention(self, layer, query, key, value, output, attn_metadata):
         name = layer.layer_name
@@ -32,11 +35,12 @@ class _WorkerSide:
         slots = attn_metadata.slot_mapping
         scale = float(layer.impl.scale)
         window = self.cfg.window_tokens
+        by_slot = self._by_slot.get(self._group_of[name], {})
         for i in range(len(qsl) - 1):
             a, b = qsl[i], qsl[i + 1]
             if b <= a:
                 continue
-            r = self._by_slot.get(int(slots[a]))
+            r = by_slot.get(int(slots[a]))
             if r is None or r.num_tokens != b - a:
                 raise RuntimeError(
                     f"kvstack streaming: cannot match batch segment {i} (slot {int(slots[a])}, "

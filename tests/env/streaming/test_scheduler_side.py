@@ -154,7 +154,7 @@ def test_admission_never_overcommits_under_random_schedules(seed):
             if hit is not None:
                 s.update_state_after_alloc(req, hit)
                 live[rid] = [hit, len(ids) + req.max_tokens - 1]
-                s._blocks[rid] = list(range(100))
+                s._blocks[rid] = {s.layout.group: list(range(100))}
             s.take_failed()
         sched = {rid: min(rnd.randint(1, 8), tot - done) for rid, (done, tot) in live.items()
                  if tot > done}
