@@ -18,6 +18,26 @@ if TYPE_CHECKING:
 logger = logging.getLogger("kvstack.streaming")
 
 
+def request_key(request: "Request") -> str:
+    """What besides the token ids decides a page's K/V, as in vLLM's own block hashes: the
+    LoRA adapter, the cache salt and the multimodal inputs (identifier and placeholder range).
+    It seeds the chain of page hashes, so requests that differ in any of them share no page.
+    Prompt embeddings have no token ids to hash: such a request shares nothing."""
+    parts = []
+    lora = getattr(request, "lora_request", None)
+    if lora is not None:
+        parts.append(f"lora={getattr(lora, 'lora_name', '')}:{getattr(lora, 'lora_int_id', '')}")
+    salt = getattr(request, "cache_salt", None)
+    if salt:
+        parts.append(f"salt={salt}")
+    for f in getattr(request, "mm_features", None) or []:
+        pos = getattr(f, "mm_position", None)
+        parts.append(f"mm={f.identifier}@{getattr(pos, 'offset', '')}+{getattr(pos, 'length', '')}")
+    if getattr(request, "prompt_embeds", None) is not None:
+        parts.append(f"embeds={request.request_id}")
+    return "|".join(parts)
+
+
 class _SchedulerSide:
     def __init__(self, cfg: StreamingConfig, layout: _Layout, vllm_config: "VllmConfig"):
         self.cfg = cfg
@@ -45,7 +65,8 @@ class _SchedulerSide:
     def _hashes_of(self, request: "Request") -> list[bytes]:
         h = self._hashes.get(request.request_id)
         if h is None:
-            h = page_hashes(list(request.prompt_token_ids or []), self.cfg.page_tokens)
+            h = page_hashes(list(request.prompt_token_ids or []), self.cfg.page_tokens,
+                            extra=request_key(request))
             self._hashes[request.request_id] = h
         return h
 

@@ -9,11 +9,35 @@ The result equals softmax attention over the concatenated K/V.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 NEG_INF = float("-inf")
+
+
+@dataclass(frozen=True, eq=False)
+class Features:
+    """What a layer's backend adds to plain softmax attention (read from its impl at start-up).
+
+    - ``softcap``: logits soft-cap (Gemma-2): scaled scores s become ``softcap * tanh(s / softcap)``.
+    - ``alibi``: ALiBi slopes [Hq]: ``slope * (key_pos - query_pos)`` added after the soft-cap.
+    - ``sinks``: attention-sink logits [Hq] (gpt-oss): one extra logit per head in the softmax
+      denominator with no value, i.e. one more partial result (output 0, LSE = sink) to merge.
+    Positions are absolute, so windows of the history and the new tokens agree."""
+
+    softcap: float = 0.0
+    alibi: torch.Tensor | None = None
+    sinks: torch.Tensor | None = None
+
+    @property
+    def plain_scores(self) -> bool:
+        return not self.softcap and self.alibi is None
+
+    @property
+    def plain(self) -> bool:
+        return self.plain_scores and self.sinks is None
 
 
 def _merge_fn() -> Callable:
@@ -82,27 +106,39 @@ def _flash(q, k, v, scale, causal):
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-           causal_offset: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+           causal_offset: int | None = None, features: Features | None = None,
+           q_pos: int = 0, k_pos: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Partial attention: q [T, Hq, D], k/v [S, Hkv, D] -> (out [T, Hq, Dv] fp32, lse [Hq, T]).
 
     With ``causal_offset`` c, query t sees keys s <= t + c (keys and queries share positions
-    shifted by c); without it every key is visible."""
-    if causal_offset is None or (causal_offset == 0 and q.shape[0] == k.shape[0]):
+    shifted by c); without it every key is visible. ``features`` (soft-cap, ALiBi) change the
+    scores; ``q_pos`` / ``k_pos`` are the absolute positions of the first query / key (ALiBi)."""
+    plain = features is None or features.plain_scores
+    if plain and (causal_offset is None or (causal_offset == 0 and q.shape[0] == k.shape[0])):
         try:
             return _flash(q, k, v, scale, causal_offset is not None)
         except (RuntimeError, NotImplementedError):
             pass  # unsupported dtype/shape/device: the reference path below
-    return attend_reference(q, k, v, scale, causal_offset)
+    return attend_reference(q, k, v, scale, causal_offset, None if plain else features,
+                            q_pos, k_pos)
 
 
 def attend_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                     causal_offset: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     causal_offset: int | None = None, features: Features | None = None,
+                     q_pos: int = 0, k_pos: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """`attend` in plain torch ops (float32)."""
     T, Hq, _ = q.shape
     S, Hkv, _ = k.shape
     rep = Hq // Hkv
     qf = q.float().view(T, Hkv, rep, -1)
     scores = torch.einsum("tgrd,sgd->grts", qf, k.float()) * scale  # [Hkv, rep, T, S]
+    if features is not None and features.softcap:
+        scores = features.softcap * torch.tanh(scores / features.softcap)
+    if features is not None and features.alibi is not None:
+        slopes = features.alibi.to(device=q.device, dtype=torch.float32).view(Hkv, rep, 1, 1)
+        qp = torch.arange(q_pos, q_pos + T, device=q.device, dtype=torch.float32)
+        kp = torch.arange(k_pos, k_pos + S, device=q.device, dtype=torch.float32)
+        scores = scores + slopes * (kp.unsqueeze(0) - qp.unsqueeze(1))
     if causal_offset is not None:
         t = torch.arange(T, device=q.device).unsqueeze(1)
         s = torch.arange(S, device=q.device).unsqueeze(0)
@@ -117,7 +153,8 @@ def attend_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 def windowed_attention(q: torch.Tensor, new_k: torch.Tensor, new_v: torch.Tensor,
                        history: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]],
                        ctx: int, window: int, scale: float,
-                       out: torch.Tensor | None = None) -> torch.Tensor:
+                       out: torch.Tensor | None = None,
+                       features: Features | None = None) -> torch.Tensor:
     """Causal attention of q (positions ctx..ctx+T-1) over history [0, ctx) + new K/V.
 
     ``history(start, end)`` returns the host-tier K/V of tokens [start, end); it is called once per
@@ -127,7 +164,7 @@ def windowed_attention(q: torch.Tensor, new_k: torch.Tensor, new_v: torch.Tensor
     T, dtype = q.shape[0], q.dtype
     if q.device.type == "cpu" and ctx > 0:
         q = q.float()  # once, not per window (the CPU kernels run in float32)
-    acc, acc_lse = attend(q, new_k, new_v, scale, causal_offset=0)
+    acc, acc_lse = attend(q, new_k, new_v, scale, 0, features, ctx, ctx)
     starts = list(range(0, ctx, window))
     fetch = _gpu_fetcher(q.device, history, window, ctx) if q.is_cuda else None
     pending = fetch(starts[0]) if (fetch and starts) else None
@@ -139,15 +176,25 @@ def windowed_attention(q: torch.Tensor, new_k: torch.Tensor, new_v: torch.Tensor
             if i + 1 < len(starts):
                 pending = fetch(starts[i + 1])  # overlaps with the attention below
             torch.cuda.current_stream(q.device).wait_event(ready)
-        part, part_lse = attend(q, hk.to(q.device), hv.to(q.device), scale)
-        merged = torch.empty_like(acc)
-        merged_lse = torch.empty_like(acc_lse)
-        merge(merged, part, part_lse, acc, acc_lse, merged_lse)
-        acc, acc_lse = merged, merged_lse
+        part, part_lse = attend(q, hk.to(q.device), hv.to(q.device), scale, None, features,
+                                ctx, start)
+        acc, acc_lse = _merged(part, part_lse, acc, acc_lse)
+    if features is not None and features.sinks is not None:
+        # the sink: one more logit per head in the denominator, contributing no value
+        sink_lse = features.sinks.to(device=q.device, dtype=torch.float32).view(-1, 1)
+        acc, acc_lse = _merged(torch.zeros_like(acc), sink_lse.expand_as(acc_lse).contiguous(),
+                               acc, acc_lse)
     if out is None:
         return acc.to(dtype)
     out[:T].copy_(acc.to(out.dtype))
     return out
+
+
+def _merged(part, part_lse, acc, acc_lse):
+    merged = torch.empty_like(acc)
+    merged_lse = torch.empty_like(acc_lse)
+    merge(merged, part, part_lse, acc, acc_lse, merged_lse)
+    return merged, merged_lse
 
 
 _COPY_STREAMS: dict = {}

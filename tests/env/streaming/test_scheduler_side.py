@@ -166,3 +166,27 @@ def test_admission_never_overcommits_under_random_schedules(seed):
             s.finish(rid)
             del live[rid]
         assert s.pool.num_available() >= s._outstanding()
+
+
+@pytest.mark.parametrize("what,first,second,shared", [
+    ("same everything", {}, {}, True),
+    ("cache salt", {"cache_salt": "a"}, {"cache_salt": "b"}, False),
+    ("same cache salt", {"cache_salt": "a"}, {"cache_salt": "a"}, True),
+    ("LoRA adapter", {"lora_request": SimpleNamespace(lora_name="x", lora_int_id=1)},
+     {"lora_request": SimpleNamespace(lora_name="y", lora_int_id=2)}, False),
+    ("LoRA vs base", {"lora_request": SimpleNamespace(lora_name="x", lora_int_id=1)}, {}, False),
+    ("image", {"mm_features": [SimpleNamespace(identifier="img-1", mm_position=SimpleNamespace(offset=2, length=4))]},
+     {"mm_features": [SimpleNamespace(identifier="img-2", mm_position=SimpleNamespace(offset=2, length=4))]}, False),
+    ("prompt embeddings", {"prompt_embeds": object()}, {"prompt_embeds": object()}, False),
+])
+def test_prefix_pages_are_keyed_like_vllm_block_hashes(what, first, second, shared):
+    """Same token ids are not enough to share pages: LoRA, salt and multimodal inputs count."""
+    s = _side()
+    a = _req("a", 12, salt=1)
+    a.__dict__.update(first)
+    s.update_state_after_alloc(a, 0)
+    s.build_meta(_out(new=[("a", [1, 2, 3], 0)], sched={"a": 12}))
+    s.finish("a")
+    b = _req("b", 12, salt=1)
+    b.__dict__.update(second)
+    assert s.get_num_new_matched_tokens(b, 0) == ((8 if shared else 0), False), what

@@ -1,0 +1,148 @@
+"""Start-up checks of the streaming connector: what the windowed path cannot compute exactly is
+refused before the engine serves, with a message that says what to change.
+
+Two stages, both before the first request:
+
+- `check_engine(vllm_config)`: the engine configuration. Run where the KV cache specs are
+  collected (``get_kv_paging_window``, in every worker) and when each side of the connector is
+  built. Refused: vLLM's prefix caching, the hybrid KV cache manager switched off, tensor /
+  pipeline / context parallelism, speculative decoding, MLA models, a quantized KV cache dtype
+  (fp8 ...), the attention + quantization fusion pass (quantized attention output), and any CUDA
+  graph mode that would capture the attention of a streaming layer (full graphs, or piecewise
+  graphs whose pieces do not split at attention). ``StreamingConnector`` declares
+  ``requires_piecewise_for_cudagraph``, so vLLM turns its GPU default FULL_AND_PIECEWISE into
+  PIECEWISE before this check runs; the check catches what is still unsafe.
+- `check_layers(vllm_config, layout)`: the loaded model's attention layers (worker side, when
+  the KV caches are registered). Refused: a streaming layer that reads another layer's KV cache
+  (KV sharing), an attention type other than decoder self-attention, and a layer the
+  configuration selects for streaming that vLLM did not give a streaming KV spec (it would be
+  attended by the backend over a one-token window). Logits soft-cap, attention sinks and ALiBi
+  are implemented by the windowed path (`windowed.Features`), so they are read here, not refused.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from .config import StreamingConfig, selects_layer
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+    from .layout import _Layout
+
+PREFIX = "kvstack StreamingConnector: "
+
+
+class UnsupportedConfiguration(ValueError):
+    """An engine configuration the streaming path cannot serve exactly (refused at start-up)."""
+
+
+def _refuse(problems: list[str]) -> None:
+    if problems:
+        raise UnsupportedConfiguration(PREFIX + "unsupported configuration:\n  - "
+                                       + "\n  - ".join(problems))
+
+
+def engine_problems(vllm_config: "VllmConfig") -> list[str]:
+    problems: list[str] = []
+    cache = vllm_config.cache_config
+    if cache.enable_prefix_caching:
+        problems.append(
+            "vLLM's prefix caching is on: disable it (enable_prefix_caching=False / "
+            "--no-enable-prefix-caching); the connector reuses prefixes from its host tier "
+            "instead (streaming layers keep no device history to reuse)")
+    if vllm_config.scheduler_config.disable_hybrid_kv_cache_manager:
+        problems.append(
+            "the hybrid KV cache manager is off: it bounds the device KV of streaming layers. "
+            "For chunked-local models (Llama-4) set "
+            "VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE=1 and do not pass "
+            "--disable-hybrid-kv-cache-manager")
+    par = vllm_config.parallel_config
+    for name, what in (("tensor_parallel_size", "tensor"), ("pipeline_parallel_size", "pipeline"),
+                       ("decode_context_parallel_size", "decode context"),
+                       ("prefill_context_parallel_size", "prefill context")):
+        size = getattr(par, name, 1) or 1
+        if size > 1:
+            problems.append(f"{what} parallelism ({name}={size}) is not supported with "
+                            "streaming layers yet; run one rank")
+    if vllm_config.speculative_config is not None:
+        problems.append("speculative decoding is not supported with streaming layers "
+                        "(drop --speculative-config)")
+    model = vllm_config.model_config
+    if model is not None and getattr(model, "use_mla", False):
+        problems.append("MLA attention (DeepSeek-style latent KV) is not supported by the "
+                        "windowed path")
+    dtype = str(cache.cache_dtype)
+    if dtype not in ("auto", "bfloat16", "float16", "half", "float32", "float"):
+        problems.append(
+            f"kv_cache_dtype={dtype!r}: the host tier keeps the K/V the model computes, and a "
+            "quantized KV cache would make streaming layers differ from the native result; use "
+            "kv_cache_dtype='auto'")
+    comp = vllm_config.compilation_config
+    passes = getattr(comp, "pass_config", None)
+    if passes is not None and getattr(passes, "fuse_attn_quant", False):
+        problems.append("the attention + quantization fusion pass (pass_config.fuse_attn_quant) "
+                        "gives attention a quantized output, which the windowed path does not "
+                        "produce; turn the pass off")
+    mode = comp.cudagraph_mode
+    if mode is not None:
+        if mode.has_full_cudagraphs():
+            problems.append(
+                f"cudagraph_mode={mode.name} captures attention in full CUDA graphs, where the "
+                "connector cannot compute a streaming layer (a replay would run the backend over "
+                "the one-token device window); use PIECEWISE (vLLM picks it for this connector "
+                "unless told otherwise) or NONE / enforce_eager")
+        elif mode.has_piecewise_cudagraphs() and not comp.is_attention_compiled_piecewise():
+            problems.append(
+                f"cudagraph_mode={mode.name} without attention among the splitting ops "
+                f"(splitting_ops={comp.splitting_ops}): attention would be captured; keep vLLM's "
+                "default splitting ops or use enforce_eager")
+    return problems
+
+
+def check_engine(vllm_config: "VllmConfig") -> None:
+    _refuse(engine_problems(vllm_config))
+
+
+def _attention_layers(vllm_config: "VllmConfig") -> dict[str, Any]:
+    ctx = getattr(vllm_config.compilation_config, "static_forward_context", None) or {}
+    return {name: layer for name, layer in ctx.items() if hasattr(layer, "impl")}
+
+
+def layer_problems(vllm_config: "VllmConfig", layout: "_Layout",
+                   cfg: StreamingConfig) -> list[str]:
+    from vllm.v1.attention.backend import AttentionType
+
+    problems: list[str] = []
+    layers = _attention_layers(vllm_config)
+    for name in layout.layers:
+        layer = layers.get(name)
+        if layer is None:
+            problems.append(f"{name}: not found among the model's attention layers")
+            continue
+        if getattr(layer, "kv_sharing_target_layer_name", None):
+            problems.append(f"{name} reads the KV cache of "
+                            f"{layer.kv_sharing_target_layer_name} (KV sharing); exclude it with "
+                            "'streaming_layers'")
+        if getattr(layer, "attn_type", AttentionType.DECODER) != AttentionType.DECODER:
+            problems.append(f"{name}: attention type {layer.attn_type} (only decoder "
+                            "self-attention streams)")
+        if getattr(layer.impl, "scale", None) is None:
+            problems.append(f"{name}: its backend {type(layer.impl).__name__} has no softmax "
+                            "scale the windowed path can read")
+    streamed = set(layout.layers)
+    for name, layer in layers.items():
+        full = (getattr(layer, "sliding_window", None) is None
+                and getattr(layer, "attn_type", None) == AttentionType.DECODER
+                and type(layer).__name__ == "Attention")
+        if full and name not in streamed and selects_layer(cfg, vllm_config.model_config, name):
+            problems.append(
+                f"{name} is selected for streaming but has no streaming KV cache spec (kv cache "
+                f"dtype {getattr(layer, 'kv_cache_dtype', '?')}); the backend would attend it over "
+                "a one-token window: exclude it with 'streaming_layers'")
+    return problems
+
+
+def check_layers(vllm_config: "VllmConfig", layout: "_Layout", cfg: StreamingConfig) -> None:
+    _refuse(layer_problems(vllm_config, layout, cfg))
