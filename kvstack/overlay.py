@@ -78,8 +78,14 @@ def build_overlay(patches: list[Path], site_packages: Path, dest: Path, *,
         if not includes:
             continue
         flags = ["-R"] if reverse else []
-        res = subprocess.run(["git", "apply", "-p1", *flags, *includes, str(patch)], cwd=dest,
-                             capture_output=True, text=True)
+        # Inside another git work tree (dest under build/ of a checkout), `git apply` would take
+        # paths as relative to that tree's top and silently skip every file outside its cwd:
+        # exit 0, nothing applied. The ceiling keeps it from finding a repository above dest.
+        env = {**os.environ, "GIT_CEILING_DIRECTORIES": str(dest.resolve().parent)}
+        env.pop("GIT_DIR", None)
+        env.pop("GIT_WORK_TREE", None)
+        res = subprocess.run(["git", "apply", "-p1", *flags, *includes, str(patch.resolve())],
+                             cwd=dest, capture_output=True, text=True, env=env)
         if res.returncode != 0:
             how = "cannot be reversed on" if reverse else "does not apply to"
             raise RuntimeError(f"{patch.name} {how} the files of {site_packages}: "
