@@ -1,7 +1,8 @@
 """The series states the layout tests run on (ladder.state_root, kvstack/overlay.py), checked
 against the kvstack venv: taking the ladder out and putting it back gives the installed files
-byte for byte, both directions of kvstack.overlay.build_overlay agree, and the ladder is the
-end of patches/vllm/series (every patch of issue 3, nothing else)."""
+byte for byte, both directions of kvstack.overlay.build_overlay agree, and the ladder is one
+run of patches/vllm/series (every patch of issue 3, nothing else) whose files no later patch
+touches."""
 
 from __future__ import annotations
 
@@ -17,11 +18,17 @@ def ladder_files() -> list[str]:
     return sorted({f for p in ladder.ladder() for f in touched(p) if f.startswith("vllm/")})
 
 
-def test_the_ladder_is_the_end_of_the_series():
+def test_the_ladder_is_one_run_of_the_series_and_later_patches_leave_its_files_alone():
     series, steps = ladder.series_patches(), ladder.ladder()
     assert len(steps) == 12  # 2/N: connectors + 9 backends; 3/N; upstream's test they change
     assert touched(steps[-1]) == ["tests/v1/worker/test_gpu_model_runner.py"]
-    assert series[-len(steps):] == steps
+    start = series.index(steps[0])
+    assert series[start:start + len(steps)] == steps
+    # state_root takes ladder patches out of the installed files: that is only right when no
+    # later patch (e.g. 0016, the CLI) changes a file the ladder touches
+    files = set(ladder_files())
+    for later in series[start + len(steps):]:
+        assert not files & set(touched(later)), later.name
 
 
 def test_the_venv_has_the_whole_ladder():
