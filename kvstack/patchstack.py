@@ -197,7 +197,8 @@ def _applied_under_later(scratch: Path, files: list[str], rest: list[Path],
                          skips: dict[Path, list[str]]) -> bool:
     """Whether rest[0] is applied although a later patch of the series changed some of its lines
     (so it does not reverse-apply alone): true when rest[-1], ..., rest[0] all reverse-apply in
-    that order on a copy of the current state."""
+    that order on a copy of the current state. A later patch that is not applied yet (it
+    applies forward there: a target patched with an older, shorter series) is passed over."""
     if len(rest) < 2:
         return False
     with tempfile.TemporaryDirectory(prefix="kvstack-reverse-") as tmp:
@@ -206,7 +207,9 @@ def _applied_under_later(scratch: Path, files: list[str], rest: list[Path],
                 (Path(tmp) / rel).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(scratch / rel, Path(tmp) / rel)
         for later in reversed(rest):
-            if _git_apply(Path(tmp), later, skips[later], "--reverse").returncode != 0:
+            if _git_apply(Path(tmp), later, skips[later], "--reverse").returncode == 0:
+                continue
+            if later is rest[0] or _git_apply(Path(tmp), later, skips[later], "--check").returncode != 0:
                 return False
     return True
 

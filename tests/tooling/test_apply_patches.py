@@ -158,6 +158,35 @@ def test_later_patch_rewriting_an_earlier_ones_lines_is_idempotent(small_tree, t
     assert tree_digest(small_tree) == after
 
 
+def test_a_new_patch_at_the_end_applies_over_a_tree_with_a_rewritten_earlier_patch(
+        small_tree, tmp_path, pinned_tree):
+    """A target patched with series 1-2 (2 rewrites a line of 1) gets patch 3 appended to the
+    series (a site-packages patched by an older kvstack): 1 and 2 are 'already applied' and 3
+    applies. Finding 1 applied means reversing 2, then 1; the not-yet-applied 3 is passed over
+    instead of making 1 'fail' (it did, before)."""
+    src = pinned_tree("vllm")
+    first = make_patch(tmp_path, "vllm/envs.py", "import os\n", "import os  # step 1\n", "step 1", src)
+    stepped = tmp_path / "stepped"
+    (stepped / "vllm").mkdir(parents=True)
+    (stepped / "vllm/envs.py").write_text((src / "vllm/envs.py").read_text().replace(
+        "import os\n", "import os  # step 1\n", 1))
+    second = make_patch(tmp_path, "vllm/envs.py", "import os  # step 1\n", "import os  # step 2\n",
+                        "step 2", stepped)
+    third = make_patch(tmp_path, "tests/v1/core/test_kv_cache_utils.py", "import pytest\n",
+                       "import pytest  # step 3\n", "step 3", src)
+    two = write_series(tmp_path, "two", {"0001-step1.patch": first, "0002-step2.patch": second})
+    run_script("apply_patches.sh", "--target", small_tree, "--series-dir", two, "--component", "vllm",
+               check=True)
+    three = write_series(tmp_path, "three", {"0001-step1.patch": first, "0002-step2.patch": second,
+                                             "0003-step3.patch": third})
+    res = run_script("apply_patches.sh", "--target", small_tree, "--series-dir", three,
+                     "--component", "vllm")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert res.stdout.count(": already applied") == 2, res.stdout
+    assert "0003-step3.patch: applies" in res.stdout
+    assert "import pytest  # step 3\n" in (small_tree / "tests/v1/core/test_kv_cache_utils.py").read_text()
+
+
 def test_fetched_tree_with_an_older_stack_is_unpacked_again(pinned_tree):
     """After kvstack is updated (a patch changed), the fetched tree still carries the old
     version, which the new one would not apply over: apply notices (stamp of the stack it
