@@ -22,6 +22,12 @@ Keys of ``kv_connector_extra_config`` (all optional):
   cannot hold it now (other requests hold the pages): ``"fail"`` finishes it at once with finish
   reason ``"error"`` and the reason as its stop reason, and the engine keeps serving the others;
   ``"wait"`` keeps it queued until finished requests free enough pages.
+- ``decode_reserve_tokens`` (default 256, or ``"max"``): host-tier room reserved at admission
+  beyond the prompt: ``prompt + min(max_tokens, decode_reserve_tokens)``. A request that decodes
+  past its reservation takes free pages as it grows; if none is free it fails alone (finish reason
+  ``"error"``, its tokens so far kept), and the others go on. ``"max"`` reserves
+  ``prompt + max_tokens`` up front, so a request admitted is never failed later, but a server
+  request without ``max_tokens`` then reserves all of ``max_model_len``.
 - ``cpu_native_attention`` (default true): on vLLM's CPU backend, a request whose whole history
   fits in one window is attended by vLLM's own CPU kernel (see ``cpu_native.py``); false forces the
   windowed torch path everywhere.
@@ -48,6 +54,7 @@ class StreamingConfig:
     prefix_reuse: bool = True
     on_host_tier_full: str = "fail"
     cpu_native_attention: bool = True
+    decode_reserve_tokens: int | None = 256  # None: "max" (prompt + max_tokens)
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> "StreamingConfig":
@@ -69,6 +76,8 @@ class StreamingConfig:
             prefix_reuse=bool(extra.get("prefix_reuse", True)),
             on_host_tier_full=str(extra.get("on_host_tier_full", cls.on_host_tier_full)),
             cpu_native_attention=bool(extra.get("cpu_native_attention", True)),
+            decode_reserve_tokens=_reserve(extra.get("decode_reserve_tokens",
+                                                     cls.decode_reserve_tokens)),
         )
         for name in ("window_tokens", "device_window_tokens", "page_tokens"):
             if getattr(cfg, name) <= 0:
@@ -84,6 +93,19 @@ class StreamingConfig:
     def from_vllm_config(cls, vllm_config: Any) -> "StreamingConfig":
         ktc = vllm_config.kv_transfer_config
         return cls.from_extra(ktc.kv_connector_extra_config if ktc is not None else None)
+
+
+def _reserve(value: Any) -> int | None:
+    if value is None or value == "max":
+        return None
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        n = -1
+    if n < 0:
+        raise ValueError("kvstack streaming: decode_reserve_tokens must be a number of tokens "
+                         f">= 0 or 'max', not {value!r}")
+    return n
 
 
 def layer_index(layer_name: str) -> int | None:

@@ -54,7 +54,7 @@ class _SchedulerSide:
         if cfg.prefix_reuse and not self.prefix_reuse:
             logger.warning("kvstack streaming: prefix reuse off (layers outside the host tier "
                            "would need their device KV restored)")
-        self._reserved: dict[str, int] = {}  # req_id -> pages reserved at admission
+        self._reserved: dict[str, int] = {}  # req_id -> pages reserved (admission, growth)
         self._hashes: dict[str, list[bytes]] = {}
         # block ids per request in each streaming group
         self._blocks: dict[str, dict[int, list[int]]] = {}
@@ -78,9 +78,7 @@ class _SchedulerSide:
         rid = request.request_id
         if self.pool.has(rid):  # resumed after preemption: its pages are still held
             return 0, False
-        max_tokens = getattr(request, "max_tokens", None) or 0
-        need = self.pool.pages_for(request.num_prompt_tokens + max_tokens)
-        need = min(need, self.pool.num_pages)
+        need = self._admission_pages(request)
         hit_pages = 0
         if self.prefix_reuse and num_computed_tokens == 0:
             hit_pages = self.pool.match_prefix(self._hashes_of(request))
@@ -97,11 +95,35 @@ class _SchedulerSide:
                 self._failed[rid] = (
                     f"kvstack StreamingConnector: host tier full: this request needs "
                     f"{(need - hit_pages) * self.cfg.page_tokens} tokens of host tier "
-                    f"(prompt + max_tokens), {max(free, 0) * self.cfg.page_tokens} are free "
+                    f"(prompt + {self._reserve_what()}), "
+                    f"{max(free, 0) * self.cfg.page_tokens} are free "
                     f"({len(self._reserved)} running request(s) hold the rest of "
                     f"{self.pool.capacity_tokens}); retry later, or raise host_tier_gib")
             return None, False  # not scheduled; the scheduler fails it (take_failed)
         return hit_pages * self.cfg.page_tokens, False
+
+    def _admission_pages(self, request: "Request") -> int:
+        """Pages reserved when a request is admitted: its prompt and the first
+        ``decode_reserve_tokens`` of its output (all of max_tokens with "max")."""
+        max_tokens = getattr(request, "max_tokens", None) or 0
+        reserve = self.cfg.decode_reserve_tokens
+        decode = max_tokens if reserve is None else min(max_tokens, reserve)
+        return min(self.pool.pages_for(request.num_prompt_tokens + decode), self.pool.num_pages)
+
+    def _reserve_what(self) -> str:
+        reserve = self.cfg.decode_reserve_tokens
+        return "max_tokens" if reserve is None else f"up to {reserve} output tokens"
+
+    def _grow(self, rid: str, num_tokens: int) -> bool:
+        """Extend `rid`'s reservation to cover `num_tokens` from the pages no one has
+        reserved; False (nothing changed) when the tier has too few."""
+        deficit = self.pool.pages_for(num_tokens) - self._reserved.get(rid, 0)
+        if deficit <= 0:
+            return True
+        if self.pool.num_available() - self._outstanding() < deficit:
+            return False
+        self._reserved[rid] = self._reserved.get(rid, 0) + deficit
+        return True
 
     def take_failed(self) -> dict[str, str]:
         """Requests refused since the last call (reported once), with their reason."""
@@ -116,15 +138,12 @@ class _SchedulerSide:
             return
         hashes = self._hashes_of(request) if self.prefix_reuse else []
         self.pool.start(rid, hashes, num_external_tokens // self.cfg.page_tokens)
-        max_tokens = getattr(request, "max_tokens", None) or 0
-        self._reserved[rid] = min(self.pool.pages_for(request.num_prompt_tokens + max_tokens),
-                                  self.pool.num_pages)
+        self._reserved[rid] = self._admission_pages(request)
         self._prompt_len[rid] = request.num_prompt_tokens
 
     def build_meta(self, so: "SchedulerOutput") -> StreamingMetadata:
         meta = StreamingMetadata()
         groups = self.layout.all_groups()
-        bs = self.layout.block_size
         steps: list[tuple[str, int]] = []
         for nr in so.scheduled_new_reqs:
             self._blocks[nr.req_id] = {g: list(nr.block_ids[g]) for g in groups}
@@ -141,6 +160,27 @@ class _SchedulerSide:
             steps.append((rid, cr.num_computed_tokens[i]))
         for rid, start in steps:
             n = so.num_scheduled_tokens[rid]
+            if not self._grow(rid, start + n):
+                # Decoding past its reservation with no free page: this step's tokens are
+                # still computed right (the new K/V are attended as they are); the K/V that
+                # have no page go to the sink page, and the scheduler fails the request after
+                # this step (take_failed), keeping its output so far.
+                reserved = self._reserved.get(rid, 0) * self.cfg.page_tokens
+                self.pool.ensure(rid, min(start + n, reserved))
+                held = list(self.pool.pages(rid))
+                sink = [self.layout.num_pages] * (self.pool.pages_for(start + n) - len(held))
+                if rid not in self._failed:
+                    self.pool.stats.failed_host_tier_full += 1
+                self._failed[rid] = (
+                    f"kvstack StreamingConnector: host tier full while decoding: this request "
+                    f"reached {start + n} tokens, past the {reserved} it reserved (prompt + "
+                    f"{self._reserve_what()}), and no page is free; its output so far is kept. "
+                    f"Raise host_tier_gib, or set decode_reserve_tokens to 'max' to reserve "
+                    f"prompt + max_tokens at admission")
+                anchors = self._anchors(rid, start)
+                first = anchors.pop(self.layout.group)
+                meta.reqs.append(ReqStep(rid, start, n, first, held + sink, anchors))
+                continue
             try:
                 self.pool.ensure(rid, start + n)
             except HostTierFull:
@@ -149,8 +189,7 @@ class _SchedulerSide:
                 # checks it over random schedules). Kept as a clear error.
                 logger.error("kvstack streaming: host tier full for request %s", rid)
                 raise
-            anchors = {g: blocks[start // bs] * bs + start % bs
-                       for g, blocks in self._blocks[rid].items()}
+            anchors = self._anchors(rid, start)
             first = anchors.pop(self.layout.group)
             meta.reqs.append(ReqStep(rid, start, n, first, list(self.pool.pages(rid)), anchors))
             if self.prefix_reuse:
@@ -158,6 +197,10 @@ class _SchedulerSide:
                     rid, self._hashes.get(rid, []), min(start + n, self._prompt_len.get(rid, 0)))
         self.max_pages_in_use = max(self.max_pages_in_use, self.pool.num_used())
         return meta
+
+    def _anchors(self, rid: str, start: int) -> dict[int, int]:
+        bs = self.layout.block_size
+        return {g: blocks[start // bs] * bs + start % bs for g, blocks in self._blocks[rid].items()}
 
     def finish(self, rid: str) -> None:
         self.pool.finish(rid)

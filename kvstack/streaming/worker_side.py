@@ -17,7 +17,9 @@ class _WorkerSide:
         self.cfg = cfg
         self.layout = layout
         self.layers = frozenset(layout.layers)
-        self.store = HostStore(list(layout.layers), layout.num_pages, cfg.page_tokens,
+        # one page more than the page table hands out: the sink, where a request that could
+        # not grow writes its last step's K/V (scheduler_side._grow; it is failed after)
+        self.store = HostStore(list(layout.layers), layout.num_pages + 1, cfg.page_tokens,
                                layout.num_kv_heads, layout.head_size, layout.dtype,
                                path=cfg.host_tier_path)
         self._group_of = {name: layout.group_of(name) for name in layout.layers}

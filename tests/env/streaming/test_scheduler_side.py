@@ -190,3 +190,55 @@ def test_prefix_pages_are_keyed_like_vllm_block_hashes(what, first, second, shar
     b = _req("b", 12, salt=1)
     b.__dict__.update(second)
     assert s.get_num_new_matched_tokens(b, 0) == ((8 if shared else 0), False), what
+
+
+def test_requests_reserve_part_of_their_output_and_grow_or_fail_alone():
+    """decode_reserve_tokens (default 256): a request reserves prompt + min(max_tokens, 256), so
+    a second request with a huge max_tokens (a server request without max_tokens) is admitted;
+    one that cannot grow when it decodes past its reservation is failed alone, after a step whose
+    new K/V go to the sink page."""
+    from kvstack.streaming.config import StreamingConfig
+    from kvstack.streaming.connector import _Layout, _SchedulerSide
+
+    cfg = StreamingConfig(page_tokens=4, on_host_tier_full="fail", decode_reserve_tokens=8)
+    layout = _Layout(group=1, block_size=4, layers=("L",), num_kv_heads=1, head_size=8,
+                     dtype=torch.bfloat16, num_pages=8, reuse_ok=True)
+    s = _SchedulerSide(cfg, layout, SimpleNamespace(model_config=SimpleNamespace(max_model_len=32)))
+    a, b = _req("a", 8, max_tokens=1000, salt=1), _req("b", 4, max_tokens=1000, salt=2)
+    for r in (a, b):
+        assert s.get_num_new_matched_tokens(r, 0) == (0, False)  # 4 + 3 pages reserved
+        s.update_state_after_alloc(r, 0)
+    blocks = list(range(100))
+    s.build_meta(_out(new=[("a", blocks, 0), ("b", blocks, 0)], sched={"a": 8, "b": 4}))
+    done = {"a": 8, "b": 4}
+    for _ in range(20):  # decode one token each; a grows into the last free page, then b cannot
+        m = s.build_meta(_out(cached=[("a", None, done["a"]), ("b", None, done["b"])],
+                              sched={"a": 1, "b": 1}))
+        failed = s.take_failed()
+        for r in m.reqs:
+            done[r.req_id] += 1
+        if failed:
+            break
+    assert list(failed) == ["b"] and "host tier full while decoding" in failed["b"]
+    assert "decode_reserve_tokens" in failed["b"]
+    step_b = next(r for r in m.reqs if r.req_id == "b")
+    assert step_b.pages[-1] == layout.num_pages  # the sink: no page of the table is touched
+    s.finish("b")
+    assert s.pool.num_available() >= s._outstanding()
+    assert s.stats()["failed_host_tier_full"] == 1
+
+
+def test_reserve_max_refuses_the_second_long_request_at_admission():
+    from kvstack.streaming.config import StreamingConfig
+
+    s = _side(num_pages=8, page=4, on_full="fail")
+    s.cfg = StreamingConfig.from_extra({"page_tokens": 4, "on_host_tier_full": "fail",
+                                        "decode_reserve_tokens": "max"})
+    a, b = _req("a", 8, max_tokens=1000, salt=1), _req("b", 4, max_tokens=1000, salt=2)
+    assert s.get_num_new_matched_tokens(a, 0) == (0, False)
+    s.update_state_after_alloc(a, 0)  # reserves the whole tier
+    assert s.get_num_new_matched_tokens(b, 0) == (None, False)
+    assert "prompt + max_tokens" in s.take_failed()["b"]
+    with pytest.raises(ValueError, match="decode_reserve_tokens"):
+        StreamingConfig.from_extra({"decode_reserve_tokens": "lots"})
+    assert StreamingConfig.from_extra({"decode_reserve_tokens": "max"}).decode_reserve_tokens is None
