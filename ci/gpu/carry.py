@@ -1,0 +1,724 @@
+#!/usr/bin/env python3
+"""Carry the pinned vLLM CUDA wheel and its missing dependencies to the GPU machine, in pieces.
+
+The GPU machine (reached through the `run` tool: it copies the working tree, at most 64 MiB a
+call, nothing can be downloaded there, and it goes back after ~30 s idle) has Python 3.12, torch
+2.11.0+cu130, Triton, transformers and a long list of packages (DEFAULT_HAVE below, from the
+machine's image as read on 2026-11-17), but no vLLM, no LMCache and little of vLLM's serving stack.
+Standard library only: `pack` runs here, `unpack` and `install` there, both with a bare python3.
+
+  pack     (here) download with pip the pinned vLLM CUDA wheel (vllm/pin.env: CUDA_WHEEL,
+           sha256-verified, cached in ~/.cache/kvstack/wheels like scripts/lib_wheels.sh) and the
+           cp312 manylinux wheels of its requirements the machine lacks (vLLM's Requires-Dist,
+           markers evaluated for the machine, minus DEFAULT_HAVE or `--have FILE`, minus the
+           optional heavy kernels of DEFAULT_SKIP; then the same for each downloaded wheel's own
+           requirements, until nothing is missing), each with `pip download --no-deps
+           --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 ...`;
+           then split everything into pieces of at most `--piece-mib` (60) MiB, packed into
+           folders build/gpu-carry/000, 001, ... (git-ignored), each with manifest.json (file
+           names, sizes, sha256 of each whole file and of each piece). `--dry-run` lists what it
+           would download (from the cached wheel's METADATA, else vllm/upstream/PKG-INFO, else
+           `--metadata FILE`) and changes nothing.
+  unpack   (there) `unpack build/gpu-carry/NNN`: check the folder's pieces (sha256) and write
+           them into a persistent folder on the machine (`--dest`, default /tmp/kvstack-carry);
+           a file is verified (sha256 of the whole) as soon as its last piece is in. Prints what
+           is still missing. Pieces may come in any order, one folder per call.
+  install  (there) every file complete: `python3 -m venv --system-site-packages --without-pip
+           VENV` plus a .pth naming the site-packages of the machine's python3 (itself a venv:
+           /opt/torch/.venv), so its torch is used; `python3 -m pip --python VENV install
+           --no-index --no-deps` of every carried wheel,
+           kvstack's patch stack (`scripts/apply_patches.sh --site-packages`), an import check
+           of the engine's modules, and `vllm --version`.
+
+The sequence of `run` calls (ci/gpu/README.md says the same, with the budget):
+
+  here:   python3 ci/gpu/carry.py pack                 # prints N folders and the run calls
+  run 1:  carry ["build/gpu-carry/000"]
+          command: python3 ci/gpu/carry.py unpack build/gpu-carry/000 &&
+                   python3 -m pip list --format=freeze > $OUT/have.txt
+  run 2 .. N: carry ["build/gpu-carry/001"], ... one folder per call, command
+          python3 ci/gpu/carry.py unpack build/gpu-carry/NNN
+  run N+1: python3 ci/gpu/carry.py install && \\
+           PYTHONUNBUFFERED=1 /tmp/kvstack-venv/bin/python ci/gpu/check_streaming.py \\
+           --timeout 270 2>&1 | tee $OUT/check_streaming.log            (timeout_s 600)
+  run N+2: (optional) the same venv, ci/gpu/check_layout.py: one command runs 10 min at most
+  With the default lists (2026-11-23): the 250 MB wheel + 85 dependency wheels (46 MiB) make
+  5 folders, so 6 calls; about 10-15 of the session's 30 device minutes (ci/gpu/README.md).
+
+Each call must follow the previous one within ~30 s (the machine is given back when idle, and a
+fresh one is bare: the pieces already unpacked are gone, and `unpack` then says to start again
+from 000). A call carries one folder (<= 60 MiB) plus the working tree (~2 MiB): keep the sum
+under 64 MiB. If `have.txt` (run 1) shows packages missing from DEFAULT_HAVE, pack again with
+`--have have.txt` for the next session.
+
+Exit status: 0 done; 1 a download, a check or an install step failed (unpack: a piece is
+missing or corrupt); 2 bad usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+DEFAULT_OUT = ROOT / "build" / "gpu-carry"
+DEFAULT_DEST = Path("/tmp/kvstack-carry")
+DEFAULT_VENV = Path("/tmp/kvstack-venv")
+PIECE_MIB = 60
+CALL_LIMIT_MIB = 64
+MANIFEST = "manifest.json"
+# The GPU machine's Python: its wheels are cp312 manylinux (x86-64); markers are evaluated for it.
+TARGET_ENV = {
+    "python_version": "3.12", "python_full_version": "3.12.3", "os_name": "posix",
+    "sys_platform": "linux", "platform_system": "Linux", "platform_machine": "x86_64",
+    "platform_python_implementation": "CPython", "implementation_name": "cpython",
+    "implementation_version": "3.12.3", "platform_release": "", "platform_version": "",
+}
+# pip matches a --platform tag exactly: name every manylinux_2_N the machine's glibc (2.39,
+# Ubuntu 24.04) runs, newest first, and the legacy aliases.
+PLATFORMS = tuple(f"manylinux_2_{n}_x86_64" for n in range(39, 4, -1)) + (
+    "manylinux2014_x86_64", "manylinux2010_x86_64", "manylinux1_x86_64", "linux_x86_64")
+# The packages of the GPU machine's image ('cuda'), as read on 2026-11-17 (the device tool's
+# KINDS.md). Override with `--have FILE` (`python3 -m pip list --format=freeze` run there).
+DEFAULT_HAVE = """
+absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc anyio attrs botorch build
+certifi charset-normalizer chex click cloudpickle cmake colorama contourpy coverage cuda-bindings
+cuda-core cuda-pathfinder cuda-toolkit cupy-cuda13x cycler cython diffrax e3nn einops equinox etils
+execnet filelock flatbuffers flax fonttools formulaic frozenlist fsspec gpytorch grpcio h11 h5py
+hf-xet httpcore httpx huggingface-hub humanize hypothesis idna imageio iniconfig interface-meta jax
+jax-cuda13-pjrt jax-cuda13-plugin jaxlib jaxtyping jinja2 joblib kiwisolver lazy-loader lightning
+lightning-utilities linear-operator lineax llvmlite lxml markdown markdown-it-py markupsafe matplotlib
+mdurl meson ml-dtypes mpi4py mpmath msgpack multidict multipledispatch mypy-extensions nanobind
+narwhals networkx ninja numba numba-cuda numpy numpyro nvidia-cublas nvidia-cuda-cupti
+nvidia-cuda-nvrtc nvidia-cuda-runtime nvidia-cudnn-cu13 nvidia-cufft nvidia-cufile nvidia-curand
+nvidia-cusolver nvidia-cusparse nvidia-cusparselt-cu13 nvidia-ml-py nvidia-nccl-cu13 nvidia-nvjitlink
+nvidia-nvshmem-cu13 nvidia-nvtx onnx onnx-ir onnxruntime onnxscript opencv-python-headless optax
+opt-einsum opt-einsum-fx optimistix orbax-checkpoint packaging pandas pathspec patsy peft pillow pip
+pluggy portalocker prometheus-client propcache protobuf psutil pyarrow pybind11 py-cpuinfo pygments
+pyparsing pyproject-hooks pyre-extensions pytest pytest-benchmark pytest-cov pytest-mock
+pytest-timeout pytest-xdist python-dateutil pytorch-lightning pyyaml regex requests rich sacrebleu
+safetensors scikit-build-core scikit-image scikit-learn scipy seaborn sentencepiece
+sentence-transformers setuptools shellingham simplejson six sortedcontainers statsmodels sympy
+tabulate tensorboard tensorboard-data-server tensorstore threadpoolctl tifffile tiktoken timm
+tokenizers toolz torch torchaudio torchdiffeq torch-geometric torchmetrics torchvision tqdm
+transformers treescope triton typer typing-extensions typing-inspect urllib3 uvloop wadler-lindig
+werkzeug wheel wrapt xarray xxhash yarl zipp
+""".split()
+# Optional kernels and media codecs of vLLM's CUDA requirements that the tiny-model checks do not
+# import (vLLM looks for each with find_spec and falls back), and that would cost calls: FlashInfer
+# and its cubins, TileLang, CUTLASS DSL, the MLA/quack/humming kernels, video decoders. `--with NAME`
+# carries one anyway; `--skip NAME` adds one.
+DEFAULT_SKIP = """
+flashinfer-python flashinfer-cubin flashinfer-jit-cache apache-tvm-ffi tilelang nvidia-cutlass-dsl
+nvidia-cutlass-dsl-libs-base nvidia-cutlass-dsl-libs-cu13 quack-kernels humming-kernels
+tokenspeed-mla pynvvideocodec torchcodec fastsafetensors nvidia-cudnn-frontend
+""".split()
+
+
+def norm(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+# ----------------------------------------------------------------------------- requirements
+
+_REQ = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*(\[[^\]]*\])?\s*(\(?[^;]*?\)?)\s*(?:;\s*(.*))?$")
+
+
+def parse_requirement(line: str) -> dict:
+    """'name[extra1,extra2] >=1,<2 ; marker' -> {name, extras, spec, marker}."""
+    m = _REQ.match(line)
+    if not m:
+        raise ValueError(f"cannot parse requirement {line!r}")
+    extras = [norm(e.strip()) for e in (m.group(2) or "[]")[1:-1].split(",") if e.strip()]
+    spec = (m.group(3) or "").strip().strip("()").replace(" ", "")
+    return {"name": norm(m.group(1)), "extras": extras, "spec": spec,
+            "marker": (m.group(4) or "").strip()}
+
+
+def _version_key(v: str) -> tuple:
+    parts = []
+    for p in re.split(r"[.+-]", v):
+        parts.append((0, int(p), "") if p.isdigit() else (1, 0, p))
+    return tuple(parts)
+
+
+def _compare(left: str, op: str, right: str) -> bool:
+    if re.fullmatch(r"[0-9][0-9.]*", left) and re.fullmatch(r"[0-9][0-9.]*", right.rstrip(".*")):
+        if op in ("==", "!=") and right.endswith(".*"):
+            pre = right[:-2].split(".")
+            eq = left.split(".")[:len(pre)] == pre
+            return eq if op == "==" else not eq
+        a = [int(x) for x in left.split(".")]
+        b = [int(x) for x in right.split(".")]
+        n = max(len(a), len(b))
+        a, b = a + [0] * (n - len(a)), b + [0] * (n - len(b))
+    else:
+        a, b = left, right
+    return {"==": a == b, "!=": a != b, "<": a < b, "<=": a <= b, ">": a > b, ">=": a >= b,
+            "===": a == b, "~=": a >= b}[op]
+
+
+def eval_marker(marker: str, env: dict, extras: tuple[str, ...] = ()) -> bool:
+    """A PEP 508 environment marker, for `env` and the requested `extras` (stdlib only:
+    variables, quoted strings, comparisons incl. `in`/`not in`, `and`, `or`, parentheses)."""
+    if not marker.strip():
+        return True
+    tokens = re.findall(r"\(|\)|'[^']*'|\"[^\"]*\"|===|==|!=|<=|>=|~=|<|>|\bnot\s+in\b|\bin\b|"
+                        r"\band\b|\bor\b|[A-Za-z_][A-Za-z0-9_.]*", marker)
+    pos = 0
+
+    def peek():
+        return tokens[pos] if pos < len(tokens) else None
+
+    def take():
+        nonlocal pos
+        pos += 1
+        return tokens[pos - 1]
+
+    def value(tok):
+        if tok[0] in "'\"":
+            return ("lit", tok[1:-1])
+        return ("var", tok)
+
+    def atom() -> bool:
+        if peek() == "(":
+            take()
+            r = disj()
+            take()  # ")"
+            return r
+        left, op, right = value(take()), re.sub(r"\s+", " ", take()), value(take())
+        if "extra" in (left[1] if left[0] == "var" else "", right[1] if right[0] == "var" else ""):
+            lit = right[1] if left[0] == "var" else left[1]
+            hit = norm(lit) in extras
+            return hit if op == "==" else (not hit if op == "!=" else False)
+        lv = env.get(left[1], "") if left[0] == "var" else left[1]
+        rv = env.get(right[1], "") if right[0] == "var" else right[1]
+        if op == "in":
+            return lv in rv
+        if op == "not in":
+            return lv not in rv
+        return _compare(lv, op, rv)
+
+    def conj() -> bool:
+        r = atom()
+        while peek() == "and":
+            take()
+            r = atom() and r
+        return r
+
+    def disj() -> bool:
+        r = conj()
+        while peek() == "or":
+            take()
+            r = conj() or r
+        return r
+
+    return disj()
+
+
+def spec_satisfied(version: str | None, spec: str) -> bool:
+    """Whether `version` meets `spec` ('>=1,<2'); unknown version or unparsable spec: True."""
+    if not version or not spec:
+        return True
+    try:
+        for clause in spec.split(","):
+            m = re.fullmatch(r"(===|==|!=|<=|>=|~=|<|>)\s*(.+)", clause.strip())
+            if m and not _compare(re.sub(r"[a-z+].*$", "", version) or version, m.group(1), m.group(2)):
+                return False
+    except (ValueError, KeyError):
+        return True
+    return True
+
+
+def requires_dist(metadata: str) -> list[str]:
+    return [ln.split(":", 1)[1].strip() for ln in metadata.splitlines()
+            if ln.startswith("Requires-Dist:")]
+
+
+def wheel_metadata(whl: Path) -> str:
+    with zipfile.ZipFile(whl) as z:
+        name = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+        return z.read(name).decode("utf-8", "replace")
+
+
+def wheel_project(filename: str) -> str:
+    return norm(filename.split("-")[0])
+
+
+def needed(metadata: str, extras: tuple[str, ...], have: dict, skip: set) -> tuple[list, list, list]:
+    """Requirements of one distribution for the machine: (to carry, already there, skipped)."""
+    carry, there, skipped = [], [], []
+    for line in requires_dist(metadata):
+        req = parse_requirement(line)
+        if not eval_marker(req["marker"], TARGET_ENV, extras):
+            continue
+        if req["name"] in skip:
+            skipped.append(req)
+        elif req["name"] in have and spec_satisfied(have[req["name"]], req["spec"]):
+            there.append(req)
+        else:
+            carry.append(req)
+    return carry, there, skipped
+
+
+def read_have(path: Path | None) -> dict:
+    """name -> version (None when unknown) of what the machine has."""
+    if path is None:
+        return {norm(n): None for n in DEFAULT_HAVE}
+    have = {}
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        m = re.match(r"([A-Za-z0-9][A-Za-z0-9._-]*)\s*(?:==\s*([^\s;]+)|\s+([0-9][^\s]*)|@.*)?", line)
+        if m:
+            have[norm(m.group(1))] = m.group(2) or m.group(3)
+    return have
+
+
+# ----------------------------------------------------------------------------- pieces
+
+def split_into_folders(files: list[Path], out: Path, piece_bytes: int) -> dict:
+    """Cut `files` into pieces of at most `piece_bytes` and pack them, first fit in order, into
+    folders out/000, out/001, ... of at most `piece_bytes` each; write out/NNN/manifest.json
+    (the whole plan, the same in every folder). Returns the manifest."""
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    entries, pieces = [], []
+    for f in files:
+        size = f.stat().st_size
+        entry = {"name": f.name, "size": size, "sha256": sha256(f), "pieces": []}
+        offset, idx = 0, 0
+        while offset < size or (size == 0 and idx == 0):
+            n = min(piece_bytes, size - offset)
+            entry["pieces"].append({"file": f"{f.name}.{idx:03d}", "offset": offset, "size": n})
+            pieces.append((f, entry["pieces"][-1]))
+            offset += n
+            idx += 1
+        entries.append(entry)
+    folders: list[int] = []  # bytes used per folder
+    for f, piece in pieces:
+        slot = next((i for i, used in enumerate(folders) if used + piece["size"] <= piece_bytes), None)
+        if slot is None:
+            folders.append(0)
+            slot = len(folders) - 1
+        folders[slot] += piece["size"]
+        piece["folder"] = f"{slot:03d}"
+        dest = out / piece["folder"]
+        dest.mkdir(exist_ok=True)
+        h = hashlib.sha256()
+        with f.open("rb") as src, (dest / piece["file"]).open("wb") as dst:
+            src.seek(piece["offset"])
+            left = piece["size"]
+            while left:
+                chunk = src.read(min(left, 1 << 20))
+                h.update(chunk)
+                dst.write(chunk)
+                left -= len(chunk)
+        piece["sha256"] = h.hexdigest()
+    manifest = {"version": 1, "folders": [f"{i:03d}" for i in range(len(folders))],
+                "piece_bytes": piece_bytes, "files": entries}
+    manifest["id"] = hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()[:16]
+    for folder in manifest["folders"]:
+        (out / folder / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+    return manifest
+
+
+def unpack_folder(folder: Path, dest: Path) -> tuple[bool, list[str]]:
+    """Take the pieces of one carried folder into `dest` (persistent across calls). Returns
+    (every piece of this folder good, report lines)."""
+    manifest = json.loads((folder / MANIFEST).read_text())
+    state_file = dest / "state.json"
+    state = {}
+    if state_file.exists():
+        state = json.loads(state_file.read_text())
+    if state.get("id") != manifest["id"]:
+        if dest.exists():
+            shutil.rmtree(dest)
+        state = {"id": manifest["id"], "folders": [], "pieces": [], "complete": []}
+    (dest / "files").mkdir(parents=True, exist_ok=True)
+    (dest / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+    lines, ok = [], True
+    name = folder.name
+    for entry in manifest["files"]:
+        part = dest / "files" / (entry["name"] + ".part")
+        for piece in entry["pieces"]:
+            if piece["folder"] != name:
+                continue
+            src = folder / piece["file"]
+            if not src.exists() or src.stat().st_size != piece["size"] or sha256(src) != piece["sha256"]:
+                lines.append(f"error: piece {piece['file']} of folder {name} is missing or corrupt")
+                ok = False
+                continue
+            mode = "r+b" if part.exists() else "wb"
+            with src.open("rb") as s, part.open(mode) as d:
+                d.seek(piece["offset"])
+                shutil.copyfileobj(s, d, 1 << 20)
+            if piece["file"] not in state["pieces"]:
+                state["pieces"].append(piece["file"])
+        got = [p["file"] in state["pieces"] for p in entry["pieces"]]
+        if all(got) and entry["name"] not in state["complete"]:
+            final = dest / "files" / entry["name"]
+            if part.exists():
+                os.replace(part, final)
+            elif entry["size"] == 0:
+                final.write_bytes(b"")
+            if final.exists() and final.stat().st_size == entry["size"] and sha256(final) == entry["sha256"]:
+                state["complete"].append(entry["name"])
+                lines.append(f"complete: {entry['name']} ({entry['size']} bytes, sha256 ok)")
+            else:
+                lines.append(f"error: {entry['name']} is complete but its sha256 does not match")
+                final.unlink(missing_ok=True)
+                state["pieces"] = [p for p in state["pieces"]
+                                   if p not in {q["file"] for q in entry["pieces"]}]
+                ok = False
+    if ok and name not in state["folders"]:
+        state["folders"].append(name)
+    state_file.write_text(json.dumps(state))
+    missing = [f for f in manifest["folders"] if f not in state["folders"]]
+    done = len(state["complete"])
+    lines.append(f"folder {name} in; {done}/{len(manifest['files'])} files complete; "
+                 + (f"still to carry: {', '.join(missing)}" if missing else "all folders in"))
+    return ok, lines
+
+
+def carried_status(dest: Path) -> tuple[dict | None, list[str]]:
+    """(manifest, names of incomplete files) of what `dest` holds."""
+    try:
+        manifest = json.loads((dest / MANIFEST).read_text())
+        state = json.loads((dest / "state.json").read_text())
+    except (OSError, ValueError):
+        return None, []
+    return manifest, [e["name"] for e in manifest["files"] if e["name"] not in state["complete"]]
+
+
+def tree_bytes() -> int | None:
+    """Bytes of the working tree the run tool sends (tracked + untracked-not-ignored)."""
+    try:
+        out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                             cwd=ROOT, capture_output=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    total = 0
+    for rel in out.decode().split("\0"):
+        if rel:
+            try:
+                total += (ROOT / rel).stat().st_size
+            except OSError:
+                pass
+    return total
+
+
+# ----------------------------------------------------------------------------- pack
+
+def pip_download(pip: list[str], reqs: list[str], dest: Path) -> tuple[bool, str]:
+    cmd = [*pip, "download", "--no-deps", "--only-binary=:all:", "--python-version", "3.12",
+           "--implementation", "cp", "--abi", "cp312", "--abi", "abi3", "--abi", "none",
+           *[a for p in PLATFORMS for a in ("--platform", p)], "--platform", "any",
+           "--quiet", "-d", str(dest), *reqs]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    return res.returncode == 0, (res.stderr or res.stdout).strip()
+
+
+def vllm_metadata(args, pin: dict, wheels: Path) -> tuple[str, str]:
+    """(METADATA text, where from) of the pinned CUDA wheel."""
+    if args.metadata:
+        return args.metadata.read_text(), str(args.metadata)
+    whl = wheels / pin["CUDA_WHEEL"]
+    if whl.exists():
+        return wheel_metadata(whl), str(whl)
+    pkg_info = ROOT / "vllm" / "upstream" / "PKG-INFO"
+    if args.dry_run and pkg_info.exists():
+        return pkg_info.read_text(), f"{pkg_info} (the sdist's; the CUDA wheel is not cached yet)"
+    raise FileNotFoundError(whl)
+
+
+def fetch_vllm(pip: list[str], pin: dict, wheels: Path) -> Path:
+    whl = wheels / pin["CUDA_WHEEL"]
+    if not whl.exists():
+        print(f"downloading {pin['CUDA_WHEEL']} (~250 MB)", flush=True)
+        ok, err = pip_download(pip, [f"{pin['CUDA_WHEEL_PROJECT']}=={pin['VERSION']}"], wheels)
+        if not ok or not whl.exists():
+            raise RuntimeError(f"the registry did not provide {whl.name}: {err[-500:]}")
+    got = sha256(whl)
+    if got != pin["CUDA_WHEEL_SHA256"]:
+        raise RuntimeError(f"sha256 mismatch for {whl}: expected {pin['CUDA_WHEEL_SHA256']}, got {got}")
+    return whl
+
+
+def collect(pip: list[str], metadata: str, have: dict, skip: set, deps_dir: Path
+            ) -> tuple[dict[str, Path], list[str]]:
+    """The wheels (project -> file in `deps_dir`, cached there) of every requirement of
+    `metadata` the machine lacks, and theirs in turn; and what could not be downloaded."""
+    queue = [(r, "vllm") for r in needed(metadata, (), have, skip)[0]]
+    got: dict[str, Path] = {}
+    extras_done: dict[str, set] = {}
+    failed = []
+    while queue:
+        req, by = queue.pop(0)
+        name = req["name"]
+        new_extras = set(req["extras"]) - extras_done.get(name, set())
+        if name in got and not new_extras:
+            continue
+        if name not in got:
+            cached = [p for p in deps_dir.glob("*.whl") if wheel_project(p.name) == name]
+            before = set(deps_dir.glob("*.whl"))
+            if not cached:
+                ok, err = pip_download(pip, [f"{name}{req['spec']}"], deps_dir)
+                if not ok:
+                    failed.append(f"{name}{req['spec']} (for {by}): "
+                                  f"{err.splitlines()[-1] if err else '?'}")
+                    continue
+            new = cached or [p for p in set(deps_dir.glob("*.whl")) - before
+                             if wheel_project(p.name) == name]
+            if not new:
+                failed.append(f"{name}{req['spec']} (for {by}): no wheel came")
+                continue
+            got[name] = sorted(new)[-1]
+            print(f"  {got[name].name}  (for {by})", flush=True)
+        extras_done.setdefault(name, set()).update(req["extras"])
+        more, _, _ = needed(wheel_metadata(got[name]), tuple(sorted(extras_done[name])), have, skip)
+        queue.extend((r, name) for r in more if r["name"] not in got or r["extras"])
+    return got, failed
+
+
+def cmd_pack(args) -> int:
+    from kvstack.pins import cache_dir, read_env_file
+
+    pin = read_env_file(ROOT / "vllm" / "pin.env")
+    wheels = args.wheels or cache_dir() / "wheels"
+    deps_dir = args.wheels_deps or cache_dir() / "wheels-cp312"
+    have = read_have(args.have)
+    skip = ({norm(n) for n in DEFAULT_SKIP} | {norm(n) for n in args.skip}) - {norm(n) for n in args.with_}
+    pip = args.pip.split() if args.pip else [sys.executable, "-m", "pip"]
+    piece_bytes = int(args.piece_mib * 2**20)
+
+    try:
+        meta, source = vllm_metadata(args, pin, wheels)
+    except FileNotFoundError:
+        if args.dry_run:
+            print("error: no METADATA for vLLM: neither the cached CUDA wheel nor vllm/upstream/"
+                  "PKG-INFO is there; run scripts/fetch_sources.sh or pass --metadata", file=sys.stderr)
+            return 2
+        meta, source = None, None
+    if args.dry_run:
+        carry, there, skipped = needed(meta, (), have, skip)
+        state = "cached" if (wheels / pin["CUDA_WHEEL"]).exists() else "to download"
+        print(f"vLLM wheel: {pin['CUDA_WHEEL']} sha256 {pin['CUDA_WHEEL_SHA256']} ({state}, "
+              f"{wheels})")
+        print(f"requirements from {source}; the machine's packages: "
+              f"{args.have or 'DEFAULT_HAVE (2026-11-17)'}")
+        print(f"there already ({len(there)}): " + " ".join(r["name"] for r in there))
+        print(f"skipped, optional ({len(skipped)}): " + " ".join(r["name"] for r in skipped))
+        print(f"would download ({len(carry)}), cp312 manylinux wheels, --no-deps:")
+        for r in carry:
+            print(f"  {r['name']}{'[' + ','.join(r['extras']) + ']' if r['extras'] else ''}"
+                  f"{r['spec']}")
+        print("then the requirements of each downloaded wheel the machine lacks, the same way; "
+              f"then pieces of <= {args.piece_mib:g} MiB in {args.out}/NNN/")
+        return 0
+
+    wheels.mkdir(parents=True, exist_ok=True)
+    deps_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        vllm_whl = fetch_vllm(pip, pin, wheels)
+    except RuntimeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"{vllm_whl.name}: sha256 ok", flush=True)
+    got, failed = collect(pip, wheel_metadata(vllm_whl), have, skip, deps_dir)
+    if failed:
+        print("error: could not download:\n  " + "\n  ".join(failed), file=sys.stderr)
+        return 1
+    files = [vllm_whl] + [got[n] for n in sorted(got)]
+    manifest = split_into_folders(files, args.out, piece_bytes)
+    total = sum(e["size"] for e in manifest["files"])
+    print(f"{len(files)} wheels, {total / 2**20:.0f} MiB, in {len(manifest['folders'])} folder(s) "
+          f"of <= {args.piece_mib:g} MiB under {args.out} (manifest {manifest['id']})")
+    tree = tree_bytes()
+    if tree is not None:
+        biggest = max(sum(p["size"] for e in manifest["files"] for p in e["pieces"]
+                          if p["folder"] == f) for f in manifest["folders"])
+        print(f"a call carries one folder (<= {biggest / 2**20:.1f} MiB) + the working tree "
+              f"({tree / 2**20:.1f} MiB) = {(biggest + tree) / 2**20:.1f} MiB of {CALL_LIMIT_MIB}")
+        if biggest + tree > CALL_LIMIT_MIB * 2**20:
+            print("warning: over the limit of one call: pack again with a smaller --piece-mib",
+                  file=sys.stderr)
+    rel = args.out.relative_to(ROOT) if args.out.is_relative_to(ROOT) else args.out
+    print("run calls, one right after the other (the machine goes back after ~30 s idle):")
+    for i, folder in enumerate(manifest["folders"]):
+        extra = " && python3 -m pip list --format=freeze > $OUT/have.txt" if i == 0 else ""
+        print(f"  carry [\"{rel}/{folder}\"]  command: python3 ci/gpu/carry.py unpack "
+              f"{rel}/{folder}{extra}")
+    print("  command: python3 ci/gpu/carry.py install && PYTHONUNBUFFERED=1 "
+          f"{DEFAULT_VENV}/bin/python ci/gpu/check_streaming.py --timeout 270 2>&1 | "
+          "tee $OUT/check_streaming.log   (timeout_s 600)")
+    return 0
+
+
+# ----------------------------------------------------------------------------- there
+
+def cmd_unpack(args) -> int:
+    folder = args.folder
+    if not (folder / MANIFEST).exists():
+        print(f"error: {folder} holds no {MANIFEST}; carry a folder made by `carry.py pack`",
+              file=sys.stderr)
+        return 2
+    manifest = json.loads((folder / MANIFEST).read_text())
+    state_file = args.dest / "state.json"
+    fresh = not state_file.exists() or json.loads(state_file.read_text()).get("id") != manifest["id"]
+    ok, lines = unpack_folder(folder, args.dest)
+    if fresh and folder.name != manifest["folders"][0]:
+        lines.append(f"note: {args.dest} held none of this pack before: if earlier folders were "
+                     "unpacked, the machine was given back in between (a fresh one is bare); "
+                     f"start again from {manifest['folders'][0]}")
+    print("\n".join(lines))
+    return 0 if ok else 1
+
+
+IMPORT_CHECK = """
+import importlib, sys
+bad = []
+for m in ("vllm", "vllm.entrypoints.llm", "vllm.v1.engine.core", "vllm.v1.worker.gpu_model_runner",
+          "vllm.model_executor.models.llama4", "vllm.v1.attention.backends.flash_attn",
+          "vllm.vllm_flash_attn", "kvstack.streaming"):
+    try:
+        importlib.import_module(m)
+    except Exception as e:
+        bad.append(f"{m}: {type(e).__name__}: {e}")
+try:
+    from vllm.platforms import current_platform
+    if not current_platform.is_cuda():
+        bad.append(f"vLLM's platform is {type(current_platform).__name__}, not CUDA")
+except Exception as e:
+    bad.append(f"vllm.platforms: {type(e).__name__}: {e}")
+print("import check: " + ("ok" if not bad else "FAILED\\n  " + "\\n  ".join(bad)))
+sys.exit(1 if bad else 0)
+"""
+
+
+PARENT_SITE = "import json, site, sys; print(json.dumps([sys.prefix != sys.base_prefix, site.getsitepackages()]))"
+
+
+def cmd_install(args) -> int:
+    manifest, incomplete = carried_status(args.dest)
+    if manifest is None:
+        print(f"error: {args.dest} holds nothing carried; run `carry.py unpack` for each folder "
+              "first (on this machine: a fresh one is bare)", file=sys.stderr)
+        return 1
+    if incomplete:
+        print(f"error: not complete yet: {', '.join(incomplete)}", file=sys.stderr)
+        return 1
+    if not args.no_patches and shutil.which("git") is None:
+        print("error: kvstack's patch stack is applied with `git apply`, and git is not on PATH",
+              file=sys.stderr)
+        return 1
+    wheels = [args.dest / "files" / e["name"] for e in manifest["files"]]
+    venv = args.venv
+    py = venv / "bin" / "python"
+
+    def step(what, cmd, **kw):
+        print(f"== {what}", flush=True)
+        res = subprocess.run(cmd, **kw)
+        if res.returncode:
+            print(f"error: {what} failed (exit {res.returncode})", file=sys.stderr)
+        return res.returncode == 0
+
+    if not py.exists():
+        # --without-pip: the machine's python may lack ensurepip; its own pip installs (--python)
+        if not step(f"venv {venv} (--system-site-packages)",
+                    [args.python, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)]):
+            return 1
+        # The machine's python3 is itself a venv (/opt/torch/.venv): --system-site-packages
+        # would show the base interpreter's packages, not its torch. A .pth adds its site-packages.
+        is_venv, parent_sites = json.loads(subprocess.run(
+            [args.python, "-c", PARENT_SITE], capture_output=True, text=True, check=True).stdout)
+        if is_venv:
+            site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                                  capture_output=True, text=True, check=True).stdout.strip()
+            Path(site, "zz_kvstack_parent_site.pth").write_text("\n".join(parent_sites) + "\n")
+            print(f"   {args.python} is a venv: its site-packages added ({', '.join(parent_sites)})")
+    if not step(f"pip install --no-index --no-deps {len(wheels)} wheels",
+                [args.python, "-m", "pip", "--python", str(py), "install", "--quiet", "--no-index",
+                 "--no-deps", "--no-cache-dir", *map(str, wheels)]):
+        return 1
+    site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True).stdout.strip()
+    env = dict(os.environ, PYTHON=str(py))
+    if not args.no_patches and not step(f"kvstack's patch stack on {site}",
+                                        ["bash", str(ROOT / "scripts" / "apply_patches.sh"),
+                                         "--site-packages", site, "--component", "vllm", "-q"],
+                                        env=env):
+        return 1
+    if args.no_check:
+        return 0
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    if not step("import check", [str(py), "-c", IMPORT_CHECK], env=env):
+        return 1
+    cli = venv / "bin" / "vllm"
+    version = [str(cli)] if cli.exists() else [str(py), "-m", "vllm.entrypoints.cli.main"]
+    return 0 if step("vllm --version", [*version, "--version"]) else 1
+
+
+# ----------------------------------------------------------------------------- main
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog="See the module docstring or ci/gpu/README.md for the run calls.")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("pack", help="(here) download and split into build/gpu-carry/NNN")
+    p.add_argument("--dry-run", action="store_true", help="list what would be downloaded; no network")
+    p.add_argument("--have", type=Path, help="`python3 -m pip list --format=freeze` of the machine")
+    p.add_argument("--metadata", type=Path, help="vLLM's METADATA/PKG-INFO to read requirements from")
+    p.add_argument("--skip", action="append", default=[], metavar="NAME", help="do not carry NAME")
+    p.add_argument("--with", dest="with_", action="append", default=[], metavar="NAME",
+                   help="carry NAME although DEFAULT_SKIP lists it")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"default {DEFAULT_OUT}")
+    p.add_argument("--piece-mib", type=float, default=PIECE_MIB, help=f"default {PIECE_MIB}")
+    p.add_argument("--wheels", type=Path, help="cache of the vLLM wheel (default ~/.cache/kvstack/wheels)")
+    p.add_argument("--wheels-deps", type=Path,
+                   help="cache of the cp312 dependency wheels (default ~/.cache/kvstack/wheels-cp312)")
+    p.add_argument("--pip", help="pip command (default: this python -m pip)")
+    u = sub.add_parser("unpack", help="(there) take one carried folder into --dest")
+    u.add_argument("folder", type=Path)
+    u.add_argument("--dest", type=Path, default=DEFAULT_DEST, help=f"default {DEFAULT_DEST}")
+    i = sub.add_parser("install", help="(there) venv + wheels + patch stack + vllm --version")
+    i.add_argument("--dest", type=Path, default=DEFAULT_DEST, help=f"default {DEFAULT_DEST}")
+    i.add_argument("--venv", type=Path, default=DEFAULT_VENV, help=f"default {DEFAULT_VENV}")
+    i.add_argument("--python", default="python3", help="the machine's python (has torch)")
+    i.add_argument("--no-patches", action="store_true", help="skip kvstack's patch stack")
+    i.add_argument("--no-check", action="store_true", help="skip the import check and vllm --version")
+    args = ap.parse_args(argv)
+    if args.cmd == "pack":
+        if args.piece_mib <= 0 or args.piece_mib > CALL_LIMIT_MIB:
+            ap.error(f"--piece-mib must be in (0, {CALL_LIMIT_MIB}]")
+        args.out = args.out.resolve()
+        return cmd_pack(args)
+    if args.cmd == "unpack":
+        return cmd_unpack(args)
+    return cmd_install(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,569 @@
+#!/usr/bin/env python3
+"""Streaming vs native, end to end on one device: kvstack's StreamingConnector (issue 13).
+
+The tiny Llama-4 (kvstack.tiny_models "llama4": layers 0-2 chunked-local, layer 3 a NoPE global
+layer, the one the connector streams) is run twice, each side in its own process:
+  - native:    vLLM without a connector, enough device KV for every prompt;
+  - streaming: vLLM with kvstack.streaming.StreamingConnector and a device KV budget smaller than
+               the prompts (num_gpu_blocks_override), the NoPE layer's history in the host tier,
+               attended in windows of `--window-tokens` merged by log-sum-exp.
+On a GPU (`--device cuda`, the default) both sides run with vLLM's DEFAULT compilation and CUDA
+graph settings: no enforce_eager, no compilation or cudagraph overrides (the connector declares
+`requires_piecewise_for_cudagraph`, so vLLM itself turns FULL_AND_PIECEWISE into PIECEWISE).
+The compilation mode and cudagraph mode each side ran with are printed.
+
+Cases (greedy, `--max-tokens` tokens, top `--logprobs` logprobs per generated token):
+  mixed    several prompts of mixed lengths in one batch (some longer than the device budget)
+  prefix-a a prompt on its own, then
+  prefix-b a second request extending prefix-a's prompt (the streaming side must reuse the
+           first one's pages from its host tier: prefix_hit_tokens > 0, else the case fails)
+  long     one long prompt (`--long-tokens`, default 16384 on cuda) of many windows
+  control  the long prompt with ONE history token changed (see the negative control below)
+Each case passes when the greedy tokens are identical and every logprob the two sides both
+have in their top-k differs by at most `--tol` (TOL = 0.05 nats: bf16 weights and activations;
+the top-1 logprob is one of them), compared up to and including the first differing token.
+
+Sharp attention. A tiny random model attends almost uniformly and its logits are nearly flat,
+so a wrong history would hardly move its output and a comparison could pass with broken
+streaming attention. The check therefore runs a copy of the model (`sharpen`) whose NoPE layer
+has q_proj and k_proj scaled by `--qk-scale` (16: attention logits x256, a few keys dominate each
+query) and o_proj by `--o-scale` (4: that layer's output dominates the residual stream), and
+whose lm_head is scaled by `--lm-head-scale` (8: logits spread like a trained model's, greedy
+ties become rare).
+
+Negative control. With sharp attention only the tokens a query attends matter, so the control
+changes a token that is attended: while the streaming side runs `long`, a probe (wrapping the
+worker's windowed attention, in-process) adds up the attention the output-making queries (the
+last prompt token and the generated ones) give each history position, read back from the host
+tier; the control changes the most attended token of the prompt's first half (thousands of
+positions and several windows before the end). The streaming side runs the control prompt
+next; the native side runs afterwards, every case and the control too. The control passes when
+the streaming side's output for it differs from its output for `long` by the same judgement
+(tokens, or a logprob by more than `--tol`): one changed history token must be visible, else
+the check has no power and fails.
+The probe also counts windowed-attention calls: the long case must have been attended in more
+than one window, else the check is vacuous and fails.
+
+GPU machine: a venv with the pinned CUDA wheel and kvstack's series (ci/gpu/carry.py, see
+ci/gpu/README.md), then from the kvstack checkout:
+
+    python ci/gpu/check_streaming.py                       # --device cuda, --long-tokens 16384
+
+Without a GPU, `--device cpu` runs the same comparison on vLLM's CPU engine (enforce_eager, as
+the CPU engine needs; CI does, with `--long-tokens 4096`: tests/env/streaming/
+test_gpu_check_streaming_script.py). Both devices run the engine in-process
+(VLLM_ENABLE_V1_MULTIPROCESSING=0) so the connector's counters can be read.
+
+The last line sums it up: `RESULT 5/5 identical; control changed (...)`.
+Exit status: 0 every case identical and the control changed; 1 a case differs, a run failed, the
+control did not change or the streaming was vacuous; 2 bad usage (e.g. vLLM not importable).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+PAGE = 32  # host-tier page = the tiny Llama-4's local chunk = its block size
+CONTROL_POS = 5  # the control's token when the attention probe is not there (see Probe)
+TOL = 0.05  # nats: max abs difference of a top-k logprob both sides have (bf16 engine)
+HMA_ENV = "VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE"
+SHARP_STAMP = "kvstack-sharp.json"
+DEFAULTS = {  # per device: what runs in reasonable time there
+    "cuda": dict(long_tokens=16384, mixed="3000,45,700,1700,260", prefix=1600),
+    "cpu": dict(long_tokens=4096, mixed="1700,45,300", prefix=640),
+}
+
+
+# ----------------------------------------------------------------------------- the model
+
+def nope_layers(config: dict) -> list[int]:
+    return [i for i, r in enumerate(config.get("no_rope_layers") or []) if not r]
+
+
+def sharpen(src: Path, dest: Path, *, qk_scale: float, o_scale: float, lm_head_scale: float,
+            max_pos: int) -> Path:
+    """A copy of tiny model `src` in `dest` whose NoPE layers attend sharply: q_proj and k_proj
+    scaled by `qk_scale`, o_proj by `o_scale`, and lm_head by `lm_head_scale` (a random tiny
+    model's logits are nearly flat: top-1 logprob -6.4 of a uniform -6.9, top-2 margins of
+    0.01; scaled, its logits spread like a trained model's, so a changed hidden state shows
+    in the logprobs and greedy ties are rare); max_position_embeddings raised to `max_pos`
+    (the long case; it changes only the size of the RoPE tables of the chunked-local layers).
+    Kept when `dest` already holds the same."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    config = json.loads((src / "config.json").read_text())
+    layers = nope_layers(config)
+    if not layers:
+        raise RuntimeError(f"{src}: no NoPE layer in config.json (no_rope_layers)")
+    weights = sorted(p.name for p in src.glob("*.safetensors"))
+    recipe = {"layers": layers, "qk_scale": qk_scale, "o_scale": o_scale,
+              "lm_head_scale": lm_head_scale,
+              "max_pos": max(max_pos, config.get("max_position_embeddings", 0)),
+              "src": {p.name: [p.stat().st_size, int(p.stat().st_mtime)]
+                      for p in sorted(src.iterdir()) if p.is_file()}}
+    try:
+        if json.loads((dest / SHARP_STAMP).read_text()) == recipe:
+            return dest
+    except (OSError, ValueError):
+        pass
+    tmp = dest.with_name(dest.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for p in src.iterdir():
+        if p.is_file() and not p.name.startswith(".") and p.suffix != ".safetensors":
+            shutil.copy2(p, tmp / p.name)
+    scaled = []
+    for name in weights:
+        tensors = load_file(str(src / name))
+        for key in list(tensors):
+            for i in layers:
+                for proj, scale in (("q_proj", qk_scale), ("k_proj", qk_scale), ("o_proj", o_scale)):
+                    if key == f"model.layers.{i}.self_attn.{proj}.weight" and scale != 1:
+                        t = tensors[key]
+                        tensors[key] = (t.to(torch.float32) * scale).to(t.dtype).contiguous()
+                        scaled.append(key)
+            if key == "lm_head.weight" and lm_head_scale != 1:
+                t = tensors[key]
+                tensors[key] = (t.to(torch.float32) * lm_head_scale).to(t.dtype).contiguous()
+                scaled.append(key)
+        save_file(tensors, str(tmp / name), metadata={"format": "pt"})
+    want = 2 * len(layers) * (qk_scale != 1) + len(layers) * (o_scale != 1) + (lm_head_scale != 1)
+    if len(scaled) != want:
+        raise RuntimeError(f"{src}: expected {want} weights to scale, found {scaled}")
+    config["max_position_embeddings"] = recipe["max_pos"]
+    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (tmp / SHARP_STAMP).write_text(json.dumps(recipe))
+    shutil.rmtree(dest, ignore_errors=True)
+    os.replace(tmp, dest)
+    return dest
+
+
+# ----------------------------------------------------------------------------- the cases
+
+def random_prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 1000) for _ in range(n)]  # ids 0-2 are the special tokens
+
+
+def make_cases(mixed: list[int], prefix: int, long_tokens: int) -> list[dict]:
+    """[{name, prompts}] in the order each side runs them (one generate call per case). The
+    control case is made from `long` once the streaming side has run it (see control_prompt)."""
+    a = random_prompt(prefix, 101)
+    return [
+        {"name": "mixed", "prompts": [random_prompt(n, 10 + i) for i, n in enumerate(mixed)]},
+        {"name": "prefix-a", "prompts": [a]},
+        {"name": "prefix-b", "prompts": [a + random_prompt(3 * PAGE + 7, 202)]},
+        {"name": "long", "prompts": [random_prompt(long_tokens, 303)]},
+    ]
+
+
+def control_prompt(long: list[int], pos: int) -> list[int]:
+    """`long` with token `pos` replaced by another one (same id range)."""
+    out = list(long)
+    out[pos] = 3 + (long[pos] - 3 + 500) % 997
+    return out
+
+
+# ----------------------------------------------------------------------------- one side
+
+def _engine_env(device: str) -> None:
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process: the connector can be read
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if device == "cpu":
+        from kvstack import tiny_models
+
+        tiny_models.apply_engine_env()  # KV space, and the sampler uncompiled (eager, same tokens)
+
+
+class Probe:
+    """Wraps the worker side's windowed attention (the engine is in-process): counts the calls
+    and windows and, while `prompt_len` is set, adds up how much the queries that make the
+    output (the last prompt token and the generated ones) attend each history position of the
+    streaming layer, read from the host tier. Best effort: `installed` says whether it could."""
+
+    def __init__(self):
+        self.calls = self.max_windows = self.max_history = 0
+        self.installed = False
+        self.prompt_len = None
+        self.mass = None  # float tensor [prompt_len]: attention weight summed over heads, queries
+        try:
+            from kvstack.streaming import worker_side
+        except Exception:  # noqa: BLE001
+            return
+        inner = getattr(worker_side, "windowed_attention", None)
+        if inner is None:
+            return
+
+        def counted(q, new_k, new_v, history, ctx, window, scale, *a, **kw):
+            self.calls += 1
+            self.max_history = max(self.max_history, int(ctx))
+            self.max_windows = max(self.max_windows, -(-int(ctx) // max(int(window), 1)))
+            if self.prompt_len and ctx > 0 and (q.shape[0] == 1 or ctx + q.shape[0] == self.prompt_len):
+                self._observe(q[-1], new_k, history, int(ctx), float(scale))
+            return inner(q, new_k, new_v, history, ctx, window, scale, *a, **kw)
+
+        worker_side.windowed_attention = counted
+        self.installed = True
+
+    def _observe(self, q_last, new_k, history, ctx, scale):
+        import torch
+
+        hk, _ = history(0, ctx)
+        keys = torch.cat([hk.to(q_last.device).float(), new_k.float()])  # [S, Hkv, D]
+        rep = q_last.shape[0] // keys.shape[1]
+        scores = torch.einsum("hd,shd->hs", q_last.float(), keys.repeat_interleave(rep, 1)) * scale
+        w = torch.softmax(scores, dim=-1).sum(0)[:min(ctx, self.prompt_len)].cpu()
+        if self.mass is None:
+            self.mass = torch.zeros(self.prompt_len)
+        self.mass[:w.shape[0]] += w
+
+    def pick(self, limit: int) -> tuple[int, float] | None:
+        """The most attended history position before `limit`, and its share of the attention."""
+        if self.mass is None or limit <= 0:
+            return None
+        total = float(self.mass.sum())
+        pos = int(self.mass[:limit].argmax())
+        return pos, float(self.mass[pos]) / max(total, 1e-30)
+
+
+def _name(value) -> str:
+    return str(getattr(value, "name", value))
+
+
+def child(plan_file: Path, side: str, out: Path) -> None:
+    plan = json.loads(plan_file.read_text())
+    device = plan["device"]
+    _engine_env(device)
+    if side == "streaming":
+        os.environ[HMA_ENV] = "1"
+    else:
+        os.environ.pop(HMA_ENV, None)
+    from kvstack import tiny_models
+
+    probe = Probe() if side == "streaming" else None
+    from vllm import LLM, SamplingParams
+
+    kw = tiny_models.llm_kwargs("llama4", plan["model"], max_model_len=plan["max_model_len"],
+                                enable_prefix_caching=False, max_num_seqs=plan["max_num_seqs"],
+                                max_num_batched_tokens=plan["batched_tokens"])
+    if device != "cpu":
+        kw.pop("enforce_eager")  # vLLM's defaults: torch.compile + CUDA graphs, as users run it
+        if plan.get("gpu_memory_utilization"):
+            kw["gpu_memory_utilization"] = plan["gpu_memory_utilization"]
+    if side == "streaming":
+        from vllm.config import KVTransferConfig
+
+        kw["num_gpu_blocks_override"] = plan["budget_blocks"]
+        kw["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="StreamingConnector", kv_role="kv_both",
+            kv_connector_module_path="kvstack.streaming",
+            kv_connector_extra_config=plan["streaming"])
+    t0 = time.time()
+    llm = LLM(**kw)
+    started = time.time() - t0
+    core = llm.llm_engine.engine_core.engine_core
+    vcfg = llm.llm_engine.vllm_config
+    cc = vcfg.compilation_config
+    info = {"device": device, "start_s": round(started, 1),
+            "compilation_mode": _name(getattr(cc, "mode", getattr(cc, "level", "?"))),
+            "cudagraph_mode": _name(getattr(cc, "cudagraph_mode", "?")),
+            "enforce_eager": bool(vcfg.model_config.enforce_eager),
+            "device_blocks": core.scheduler.kv_cache_config.num_blocks}
+    if device != "cpu":
+        import torch
+
+        info["gpu"] = torch.cuda.get_device_name(0)
+    conn = getattr(core.scheduler, "connector", None)
+    params = SamplingParams(max_tokens=plan["max_tokens"], temperature=0, ignore_eos=True,
+                            logprobs=plan["logprobs"], detokenize=False)
+    cases = list(plan["cases"])
+    results = {}
+    t0 = time.time()
+    i = 0
+    while i < len(cases):
+        case = cases[i]
+        i += 1
+        before = conn.stats() if conn is not None else {}
+        if probe is not None and case["name"] == "long":
+            probe.prompt_len = len(case["prompts"][0])
+        outs = llm.generate([{"prompt_token_ids": p} for p in case["prompts"]], params,
+                            use_tqdm=False)
+        after = conn.stats() if conn is not None else {}
+        results[case["name"]] = {
+            "outputs": [{"tokens": list(o.outputs[0].token_ids),
+                         "logprobs": [sorted(([t, lp.logprob] for t, lp in pos.items()),
+                                             key=lambda x: -x[1])
+                                      for pos in (o.outputs[0].logprobs or [])]}
+                        for o in outs],
+            "prefix_hit_tokens": (after.get("prefix_hit_tokens", 0)
+                                  - before.get("prefix_hit_tokens", 0)),
+            "failed": after.get("failed_host_tier_full", 0) - before.get("failed_host_tier_full", 0),
+        }
+        if case["name"] == "long" and "control_pos" not in plan:
+            # the streaming side picks the control: the most attended token of the first half
+            long = case["prompts"][0]
+            got = probe.pick(len(long) // 2) if probe is not None else None
+            pos, share = got if got else (CONTROL_POS, None)
+            if probe is not None:
+                probe.prompt_len = None
+            info["control"] = {"pos": pos, "share": share,
+                               "how": "most attended" if got else "fixed (no probe)"}
+            cases.append({"name": "control", "prompts": [control_prompt(long, pos)]})
+    info["generate_s"] = round(time.time() - t0, 1)
+    if probe is not None:
+        info["streaming_calls"] = {"installed": probe.installed, "windowed_calls": probe.calls,
+                                   "max_windows": probe.max_windows,
+                                   "max_history": probe.max_history}
+    info["connector"] = type(conn).__name__ if conn is not None else None
+    out.write_text(json.dumps({"info": info, "results": results}))
+    os._exit(0)  # skip engine teardown: the result is written
+
+
+def run_side(plan_file: Path, side: str, work: Path, timeout: int) -> dict | str:
+    out = work / f"{side}.json"
+    out.unlink(missing_ok=True)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    t0 = time.time()
+    try:
+        res = subprocess.run([sys.executable, __file__, "--child", str(plan_file), side, str(out)],
+                             capture_output=True, text=True, env=env, timeout=timeout)
+        log = res.stdout + res.stderr
+        code = res.returncode
+    except subprocess.TimeoutExpired as e:
+        log = f"{e.stdout or ''}{e.stderr or ''}\ntimed out after {timeout} s"
+        code = "timeout"
+    (work / f"{side}.log").write_text(log if isinstance(log, str) else str(log))
+    if not out.exists():
+        tail = [ln for ln in log.strip().splitlines() if ln.strip()][-1:] or ["no output"]
+        return f"{side} run failed (exit {code}, log {work / (side + '.log')}): {tail[0][:300]}"
+    result = json.loads(out.read_text())
+    result["info"]["wall_s"] = round(time.time() - t0, 1)
+    return result
+
+
+# ----------------------------------------------------------------------------- judgement
+
+def compare(a: list[dict], b: list[dict], tol: float) -> tuple[bool, float, str]:
+    """(same, max logprob diff, detail) for the outputs of one case on two runs.
+
+    Same: identical greedy tokens and, at every step up to and including the first differing
+    token, every token id both runs have in their top-k within `tol` of each other."""
+    worst, notes = 0.0, []
+    same = len(a) == len(b)
+    for i, (x, y) in enumerate(zip(a, b)):
+        tx, ty = x["tokens"], y["tokens"]
+        first = next((k for k, (u, v) in enumerate(zip(tx, ty)) if u != v), None)
+        if len(tx) != len(ty) and first is None:
+            first = min(len(tx), len(ty))
+        steps = len(tx) if first is None else first + 1
+        for k in range(min(steps, len(x["logprobs"]), len(y["logprobs"]))):
+            lx, ly = dict(map(tuple, x["logprobs"][k])), dict(map(tuple, y["logprobs"][k]))
+            for t in lx.keys() & ly.keys():
+                d = abs(lx[t] - ly[t])
+                if d > worst:
+                    worst = d
+        if first is not None:
+            same = False
+            lp = x["logprobs"][first] if first < len(x["logprobs"]) else []
+            margin = f", top-2 margin there {lp[0][1] - lp[1][1]:.4f}" if len(lp) > 1 else ""
+            notes.append(f"prompt {i}: tokens differ from step {first}{margin}")
+    if worst > tol:
+        same = False
+        notes.append(f"logprob diff {worst:.4f} > {tol}")
+    return same, worst, "; ".join(notes)
+
+
+# ----------------------------------------------------------------------------- main
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 epilog="Exit: 0 identical and control changed, 1 different/failed/"
+                                        "control unchanged/vacuous, 2 usage.")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                    help="vLLM's GPU engine with default compilation/cudagraphs (default), or its "
+                         "CPU engine (enforce_eager)")
+    ap.add_argument("--long-tokens", type=int, help="length of the long case (default "
+                    f"{DEFAULTS['cuda']['long_tokens']} on cuda, {DEFAULTS['cpu']['long_tokens']} on cpu)")
+    ap.add_argument("--mixed", help="comma-separated prompt lengths of the mixed batch (default "
+                    f"{DEFAULTS['cuda']['mixed']} on cuda, {DEFAULTS['cpu']['mixed']} on cpu)")
+    ap.add_argument("--prefix-tokens", type=int, help="prompt of prefix-a (prefix-b extends it)")
+    ap.add_argument("--window-tokens", type=int,
+                    help="host-tier history attended per window (default: long-tokens / 8)")
+    ap.add_argument("--budget-blocks", type=int, default=48,
+                    help="streaming side's device KV blocks of 32 tokens, all layers together "
+                         "(default 48: 1536 tokens)")
+    ap.add_argument("--batched-tokens", type=int, default=256,
+                    help="max_num_batched_tokens, both sides (default 256)")
+    ap.add_argument("--max-num-seqs", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=8, help="greedy tokens per prompt")
+    ap.add_argument("--logprobs", type=int, default=5, help="top logprobs compared per token")
+    ap.add_argument("--tol", type=float, default=TOL,
+                    help=f"max abs logprob difference, nats (default {TOL}: bf16)")
+    ap.add_argument("--qk-scale", type=float, default=16.0,
+                    help="NoPE layer q_proj and k_proj weights scaled by this (default 16)")
+    ap.add_argument("--o-scale", type=float, default=4.0,
+                    help="NoPE layer o_proj weight scaled by this (default 4)")
+    ap.add_argument("--lm-head-scale", type=float, default=8.0,
+                    help="lm_head weight scaled by this (default 8)")
+    ap.add_argument("--gpu-memory-utilization", type=float,
+                    help="passed to vLLM on cuda (default: vLLM's)")
+    ap.add_argument("--timeout", type=int, default=1500, help="seconds per side (default 1500)")
+    ap.add_argument("--work", type=Path, default=ROOT / "build" / "gpu-check-streaming",
+                    help="scratch folder: models, plans, per-side results and logs")
+    ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        plan, side, out = args.child
+        child(Path(plan), side, Path(out))
+        return 0
+
+    d = DEFAULTS[args.device]
+    long_tokens = args.long_tokens or d["long_tokens"]
+    try:
+        mixed = [int(n) for n in (args.mixed or d["mixed"]).split(",") if n]
+    except ValueError:
+        ap.error("--mixed takes comma-separated integers")
+    prefix = args.prefix_tokens or d["prefix"]
+    window = args.window_tokens or max(PAGE, long_tokens // 8 // PAGE * PAGE)
+    budget_tokens = args.budget_blocks * PAGE
+    if not mixed or min(mixed + [prefix, long_tokens, window]) < 1:
+        ap.error("prompt lengths and --window-tokens must be positive")
+    if long_tokens // 2 <= window:
+        ap.error(f"--long-tokens {long_tokens} must exceed two windows ({window}): the control "
+                 "changes a token of its first half, which must be history of an earlier window")
+    if long_tokens <= budget_tokens:
+        ap.error(f"--long-tokens {long_tokens} fits the device budget ({budget_tokens} tokens): "
+                 "the check is about prompts larger than the device KV")
+    if importlib.util.find_spec("vllm") is None:
+        print(f"error: vLLM is not importable with {sys.executable}", file=sys.stderr)
+        return 2
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            print("error: --device cuda but torch sees no GPU (use --device cpu)", file=sys.stderr)
+            return 2
+
+    from kvstack import tiny_models
+
+    work = args.work.resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    cases = make_cases(mixed, prefix, long_tokens)
+    longest = max(len(p) for c in cases for p in c["prompts"])
+    max_model_len = -(-(longest + args.max_tokens + 1) // PAGE) * PAGE
+    base = tiny_models.make_model("llama4", work / "models" / "llama4")
+    model = sharpen(base, work / "models" / "llama4-sharp", qk_scale=args.qk_scale,
+                    o_scale=args.o_scale, lm_head_scale=args.lm_head_scale, max_pos=max_model_len)
+    page_bytes = PAGE * 2 * 2 * 32 * 2  # tokens x (K, V) x kv heads x head_dim x bf16, one layer
+    tier_pages = 4 * max_model_len // PAGE  # room for the batch and the cached prefixes
+    plan = {"device": args.device, "model": str(model), "max_model_len": max_model_len,
+            "max_num_seqs": args.max_num_seqs, "batched_tokens": args.batched_tokens,
+            "budget_blocks": args.budget_blocks, "max_tokens": args.max_tokens,
+            "logprobs": args.logprobs, "gpu_memory_utilization": args.gpu_memory_utilization,
+            "streaming": {"window_tokens": window, "page_tokens": PAGE,
+                          "host_tier_gib": tier_pages * page_bytes / 2**30,
+                          "on_host_tier_full": "wait"},
+            "cases": cases}
+    layers = nope_layers(json.loads((model / "config.json").read_text()))
+    print(f"device {args.device}; tiny llama4, NoPE layer(s) {layers}: q/k x{args.qk_scale:g}, "
+          f"o x{args.o_scale:g}, lm_head x{args.lm_head_scale:g}; streaming: device budget "
+          f"{args.budget_blocks} blocks ({budget_tokens} tokens), window {window}; max_model_len "
+          f"{max_model_len}; prompts: mixed {mixed}, prefix {prefix}+{3 * PAGE + 7}, long "
+          f"{long_tokens}; tolerance {args.tol} nats on the top-{args.logprobs} logprobs",
+          flush=True)
+
+    def show(side, r):
+        if isinstance(r, str):
+            print(r, flush=True)
+            return
+        i = r["info"]
+        print(f"{side:9s} {i.get('gpu', i['device'])}: compilation mode {i['compilation_mode']}, "
+              f"cudagraph mode {i['cudagraph_mode']}, enforce_eager {i['enforce_eager']}, device "
+              f"blocks {i['device_blocks']}, connector {i['connector']}; start {i['start_s']} s, "
+              f"generate {i['generate_s']} s, wall {i['wall_s']} s", flush=True)
+
+    # the streaming side first: it picks the control token; the native side then runs it too
+    (work / "plan-streaming.json").write_text(json.dumps(plan))
+    streaming = run_side(work / "plan-streaming.json", "streaming", work, args.timeout)
+    show("streaming", streaming)
+    if isinstance(streaming, str):
+        print(f"RESULT 0/{len(cases) + 1} identical; the streaming run failed (logs in {work})")
+        return 1
+    control = streaming["info"]["control"]
+    long = cases[-1]["prompts"][0]
+    native_plan = dict(plan, control_pos=control["pos"],
+                       cases=cases + [{"name": "control",
+                                       "prompts": [control_prompt(long, control["pos"])]}])
+    (work / "plan-native.json").write_text(json.dumps(native_plan))
+    native = run_side(work / "plan-native.json", "native", work, args.timeout)
+    show("native", native)
+    if isinstance(native, str):
+        print(f"RESULT 0/{len(cases) + 1} identical; the native run failed (logs in {work})")
+        return 1
+
+    failures = 0
+    names = [c["name"] for c in native_plan["cases"]]
+    for name in names:
+        same, worst, note = compare(native["results"][name]["outputs"],
+                                    streaming["results"][name]["outputs"], args.tol)
+        extra = ""
+        if name == "prefix-b":
+            hit = streaming["results"][name]["prefix_hit_tokens"]
+            extra = f"; streaming side reused {hit} prefix tokens from its host tier"
+            if hit <= 0:
+                same = False
+                note = (note + "; " if note else "") + "no prefix reuse on the streaming side"
+        if streaming["results"][name]["failed"]:
+            same = False
+            note = (note + "; " if note else "") + "a request failed (host tier full)"
+        failures += not same
+        print(f"{name:9s} {'identical' if same else 'DIFFERENT'} (max logprob diff {worst:.4f})"
+              f"{extra}{': ' + note if note else ''}", flush=True)
+
+    # the negative control: one changed history token must change the streaming side's output
+    unchanged, c_diff, c_note = compare(streaming["results"]["long"]["outputs"],
+                                        streaming["results"]["control"]["outputs"], args.tol)
+    changed = not unchanged
+    n_unchanged, n_diff, _ = compare(native["results"]["long"]["outputs"],
+                                     native["results"]["control"]["outputs"], args.tol)
+    share = (f", {100 * control['share']:.1f}% of the output queries' attention"
+             if control.get("share") is not None else "")
+    print(f"control   token {control['pos']} of {long_tokens} ({control['how']}{share}) changed: "
+          f"streaming output {'changed' if changed else 'UNCHANGED'} (max logprob diff "
+          f"{c_diff:.4f}{'; ' + c_note if c_note else ''}); native "
+          f"{'unchanged' if n_unchanged else 'changed'} (max logprob diff {n_diff:.4f})", flush=True)
+    calls = streaming["info"].get("streaming_calls") or {}
+    vacuous = ""
+    if calls.get("installed"):
+        print(f"streaming windowed-attention calls {calls['windowed_calls']}, up to "
+              f"{calls['max_windows']} windows over {calls['max_history']} history tokens",
+              flush=True)
+        if calls["max_windows"] < 2:
+            vacuous = "; VACUOUS: no history was attended in more than one window"
+    else:
+        print("streaming windowed-attention calls: not counted (kvstack.streaming.worker_side."
+              "windowed_attention not found)", flush=True)
+    ok = failures == 0 and changed and not vacuous
+    print(f"RESULT {len(names) - failures}/{len(names)} identical; control "
+          f"{'changed' if changed else 'UNCHANGED'} ({args.device}, long {long_tokens}, "
+          f"window {window}, tol {args.tol}){vacuous}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,107 @@
+"""ci/gpu/check_streaming.py, the GPU check of the streaming connector, run here on the CPU
+engine (`--device cpu --long-tokens 4096`): streaming vs native on the sharpened tiny Llama-4 at
+a device budget smaller than the prompts give the same greedy tokens and top-5 logprobs (within
+0.05 nats) for a mixed batch, a prefix reuse and a long prompt attended in several windows, and
+the negative control (one history token of the long prompt changed) changes the output. The
+judgement and the model surgery are pinned without an engine."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from streaming_helpers import needs_hooks
+
+REPO = Path(__file__).resolve().parents[3]
+SCRIPT = REPO / "ci" / "gpu" / "check_streaming.py"
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("check_streaming", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.env
+@needs_hooks
+def test_streaming_equals_native_on_the_cpu_engine(tmp_path):
+    res = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--long-tokens", "4096",
+                          "--work", str(tmp_path)], capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    lines = res.stdout.strip().splitlines()
+    assert lines[-1].startswith("RESULT 5/5 identical; control changed"), res.stdout
+    streaming = json.loads((tmp_path / "streaming.json").read_text())
+    native = json.loads((tmp_path / "native.json").read_text())
+    info = streaming["info"]
+    assert info["connector"] == "StreamingConnector" and native["info"]["connector"] is None
+    assert info["device_blocks"] == 48  # 1536 tokens of device KV for a 4096-token prompt
+    assert info["streaming_calls"]["installed"] and info["streaming_calls"]["max_windows"] >= 8
+    assert streaming["results"]["prefix-b"]["prefix_hit_tokens"] > 0
+    # the control changed a token of the long prompt's first half, windows before the end
+    assert 0 <= info["control"]["pos"] < 2048 and info["control"]["how"] == "most attended"
+    plan = json.loads((tmp_path / "plan-native.json").read_text())
+    long, control = plan["cases"][3]["prompts"][0], plan["cases"][4]["prompts"][0]
+    assert [i for i, (a, b) in enumerate(zip(long, control)) if a != b] == [info["control"]["pos"]]
+    # the sharpened model is what both sides ran
+    assert plan["model"].endswith("llama4-sharp")
+
+
+def test_bad_usage_exits_2_before_any_engine(tmp_path):
+    for extra in (["--long-tokens", "1000"],  # fits the device budget of 48 blocks
+                  ["--long-tokens", "2048", "--window-tokens", "1024"]):  # not 2 windows of history
+        res = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--work",
+                              str(tmp_path), *extra], capture_output=True, text=True, timeout=120)
+        assert res.returncode == 2, res.stdout + res.stderr
+    assert not list(tmp_path.glob("*.json"))
+
+
+def test_compare_judges_tokens_and_logprobs():
+    compare = _module().compare
+
+    def out(tokens, top1):
+        return [{"tokens": tokens, "logprobs": [[[t, lp], [999, lp - 1.0]]
+                                                for t, lp in zip(tokens, top1)]}]
+
+    same, worst, note = compare(out([5, 6, 7], [-1.0, -2.0, -1.5]),
+                                out([5, 6, 7], [-1.01, -2.0, -1.5]), 0.05)
+    assert same and abs(worst - 0.01) < 1e-9 and note == ""
+    same, worst, note = compare(out([5, 6, 7], [-1.0, -2.0, -1.5]),
+                                out([5, 6, 7], [-1.0, -2.2, -1.5]), 0.05)
+    assert not same and "logprob diff 0.2000 > 0.05" in note
+    same, _, note = compare(out([5, 6, 7], [-1.0, -2.0, -1.5]),
+                            out([5, 8, 7], [-1.0, -2.0, -1.5]), 0.05)
+    assert not same and "tokens differ from step 1" in note and "top-2 margin there 1.0000" in note
+    # logprobs after the first differing token are not compared (different contexts)
+    same, worst, _ = compare(out([5, 8, 7], [-1.0, -2.0, -1.5]),
+                             out([5, 9, 7], [-1.0, -2.0, -9.0]), 0.05)
+    assert not same and worst == 0.0
+
+
+@pytest.mark.env
+def test_sharpen_scales_only_the_nope_projections_and_lm_head(tmp_path):
+    import torch
+    from safetensors.torch import load_file
+
+    from kvstack.tiny_models import make_model
+
+    mod = _module()
+    base = make_model("llama4", tmp_path / "llama4")
+    sharp = mod.sharpen(base, tmp_path / "sharp", qk_scale=16, o_scale=4, lm_head_scale=8,
+                        max_pos=8192)
+    a, b = load_file(str(base / "model.safetensors")), load_file(str(sharp / "model.safetensors"))
+    assert a.keys() == b.keys()
+    factors = {"model.layers.3.self_attn.q_proj.weight": 16, "model.layers.3.self_attn.k_proj.weight": 16,
+               "model.layers.3.self_attn.o_proj.weight": 4, "lm_head.weight": 8}
+    for key in a:
+        want = (a[key].float() * factors.get(key, 1)).to(a[key].dtype)
+        assert torch.equal(b[key], want), key
+    cfg = json.loads((sharp / "config.json").read_text())
+    assert cfg["max_position_embeddings"] == 8192 and cfg["no_rope_layers"] == [1, 1, 1, 0]
+    assert mod.sharpen(base, tmp_path / "sharp", qk_scale=16, o_scale=4, lm_head_scale=8,
+                       max_pos=8192) == sharp  # kept, not rewritten
