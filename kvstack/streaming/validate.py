@@ -18,6 +18,9 @@ Two stages, both before the first request:
   configuration selects for streaming that vLLM did not give a streaming KV spec (it would be
   attended by the backend over a one-token window). Logits soft-cap, attention sinks and ALiBi
   are implemented by the windowed path (`windowed.Features`), so they are read here, not refused.
+
+And `check_device_budget` (scheduler side, once the KV cache is sized): at least one scheduler step
+of every KV cache group plus vLLM's null block.
 """
 
 from __future__ import annotations
@@ -103,6 +106,30 @@ def engine_problems(vllm_config: "VllmConfig") -> list[str]:
 
 def check_engine(vllm_config: "VllmConfig") -> None:
     _refuse(engine_problems(vllm_config))
+
+
+def check_device_budget(vllm_config: "VllmConfig", kv_cache_config: Any) -> None:
+    """The device KV cache must hold one scheduler step of every KV cache group plus vLLM's
+    null block. vLLM's own start-up check does not count the null block, so a budget of exactly
+    the blocks one request needs starts, then leaves a long request waiting forever."""
+    from vllm.utils.math_utils import cdiv
+    from vllm.v1.core.kv_cache_utils import (
+        _max_memory_usage_bytes_from_groups,
+        _pool_bytes_per_block,
+    )
+
+    groups = list(kv_cache_config.kv_cache_groups)
+    if not groups:
+        return
+    needed = 1 + cdiv(_max_memory_usage_bytes_from_groups(vllm_config, groups),
+                      _pool_bytes_per_block(vllm_config, groups))
+    if kv_cache_config.num_blocks < needed:
+        step = vllm_config.scheduler_config.max_num_batched_tokens
+        _refuse([f"the device KV cache has {kv_cache_config.num_blocks} blocks; one request needs "
+                 f"at least {needed} (one scheduler step of max_num_batched_tokens={step} in each "
+                 f"of the {len(groups)} KV cache groups, plus vLLM's null block): raise the "
+                 "budget (num_gpu_blocks_override / gpu_memory_utilization) or lower "
+                 "max_num_batched_tokens"])
 
 
 def _attention_layers(vllm_config: "VllmConfig") -> dict[str, Any]:

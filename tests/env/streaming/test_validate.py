@@ -176,14 +176,15 @@ def test_fp8_kv_cache_refused_at_start_up_on_the_engine():
 
 def test_a_device_budget_too_small_names_the_minimum_and_the_minimum_starts():
     """vLLM 0017: vLLM's "estimated maximum model length" error gains the minimum in blocks and,
-    with the streaming connector, why streaming layers still need blocks (one step per group)."""
+    with the streaming connector, why streaming layers still need blocks (one step per group);
+    the connector refuses the budget vLLM accepts but cannot serve (no room for the null block)."""
     code = textwrap.dedent(f"""
         import sys
         sys.path.insert(0, {str(ROOT / 'tests' / 'env' / 'streaming')!r})
         from kvstack import tiny_models
         tiny_models.apply_engine_env()
         from streaming_helpers import close, make_llm
-        for blocks in (8, 36):
+        for blocks in (8, 36, 37):
             try:
                 llm = make_llm("llama4", streaming=dict(window_tokens=48),
                                num_gpu_blocks_override=blocks, max_num_batched_tokens=256,
@@ -197,7 +198,11 @@ def test_a_device_budget_too_small_names_the_minimum_and_the_minimum_starts():
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     out = res.stdout
     assert "REFUSED 8 " in out, out[-2000:] + res.stderr[-2000:]
-    assert "needs at least 36 KV cache blocks, 8 fit (num_gpu_blocks_override=8)" in out
+    assert "needs at least 37 KV cache blocks (one of them vLLM's null block), 8 fit" in out
+    assert "(num_gpu_blocks_override=8)" in out
     assert "StreamingConnector bounds its layers' device KV to a window" in out
     assert "each of the 4 KV cache groups" in out
-    assert "STARTED 36" in out, out[-2000:]
+    # vLLM's check accepts 36, which then leaves a long request waiting forever (the null
+    # block); the connector refuses it at start-up
+    assert "REFUSED 36 " in out and "plus vLLM's null block" in out, out[-2000:]
+    assert "STARTED 37" in out, out[-2000:]
