@@ -17,6 +17,10 @@ Worker side (`_WorkerSide`, worker_side.py): holds the K/V pools (`HostStore`) a
 streaming layers: host history in windows + the new tokens, merged by log-sum-exp; then appends
 the new tokens' K/V to the host tier.
 
+Observability (metrics.py): ``stats()`` in process; on a server, the host tier's gauges and
+counters reach ``/metrics`` (``vllm:kvstack_*``) through vLLM's KV-connector stats API
+(``get_kv_connector_stats``, ``build_kv_connector_stats``, ``build_prom_metrics``).
+
 Usage: ``kv_transfer_config={"kv_connector": "StreamingConnector", "kv_role": "kv_both",
 "kv_connector_module_path": "kvstack.streaming", "kv_connector_extra_config": {...}}``
 (see `kvstack.streaming.config` for the keys).
@@ -37,7 +41,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from .config import StreamingConfig, selects_layer
 from .layout import ReqStep, StreamingMetadata, _Layout, _layout  # noqa: F401 (re-exported)
+from .metrics import StatsReporter, StreamingConnectorStats, StreamingPromMetrics
 from .scheduler_side import _SchedulerSide
+from .validate import check_device_budget, check_engine, check_layers
 from .worker_side import _WorkerSide
 
 if TYPE_CHECKING:
@@ -57,36 +63,40 @@ class StreamingConnector(KVConnectorBase_V1, SupportsHMA):
         cfg = StreamingConfig.from_vllm_config(vllm_config)
         if not selects_layer(cfg, vllm_config.model_config, layer_name):
             return None
-        if vllm_config.scheduler_config.disable_hybrid_kv_cache_manager:
-            raise ValueError(
-                "kvstack StreamingConnector needs the hybrid KV cache manager to bound the "
-                "device KV of streaming layers. For chunked-local models (Llama-4) set "
-                "VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE=1 and do not pass "
-                "--disable-hybrid-kv-cache-manager.")
-        if vllm_config.cache_config.enable_prefix_caching:
-            raise ValueError(
-                "kvstack StreamingConnector: disable vLLM's prefix caching "
-                "(enable_prefix_caching=False / --no-enable-prefix-caching); the connector "
-                "reuses prefixes from its host tier instead (streaming layers keep no device "
-                "history to reuse).")
+        check_engine(vllm_config)  # refused here, in every worker, before any KV is allocated
         return cfg.device_window_tokens
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """Always: the connector computes a streaming layer's attention in Python, so attention
+        must run between CUDA graph pieces, never inside a captured graph (vLLM then turns its
+        GPU default FULL_AND_PIECEWISE into PIECEWISE; validate.check_engine refuses what is
+        still unsafe)."""
+        return True
 
     # ---- construction ----------------------------------------------------------------------
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
                  kv_cache_config: "KVCacheConfig"):
         super().__init__(vllm_config, role, kv_cache_config)
         self.cfg = StreamingConfig.from_vllm_config(vllm_config)
+        check_engine(vllm_config)
         self.layout = _layout(self.cfg, vllm_config, kv_cache_config)
         self._sched: _SchedulerSide | None = None
         self._worker: _WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
+            check_device_budget(vllm_config, kv_cache_config)
             self._sched = _SchedulerSide(self.cfg, self.layout, vllm_config)
+            self._reporter = StatsReporter()
         else:
             self._worker = _WorkerSide(self.cfg, self.layout)
 
     # ---- worker side ---------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
-        pass  # the device KV of streaming layers is never read back
+        # The device KV of streaming layers is never read back. The model is loaded now: check
+        # its attention layers before the engine serves, and read the features (soft-cap,
+        # sinks, ALiBi) the windowed path must apply.
+        check_layers(self._vllm_config, self.layout, self.cfg)
+        self._worker.read_layer_features(self._vllm_config)
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -101,7 +111,7 @@ class StreamingConnector(KVConnectorBase_V1, SupportsHMA):
         return  # new K/V reach the host tier in compute_streaming_attention
 
     def wait_for_save(self):
-        return
+        self._worker.end_step()  # every streaming layer was computed by the connector
 
     def is_streaming_layer(self, layer_name: str) -> bool:
         return self._worker is not None and layer_name in self._worker.layers
@@ -113,6 +123,11 @@ class StreamingConnector(KVConnectorBase_V1, SupportsHMA):
                 f"kvstack streaming: {layer.layer_name} needs quantized output or a shared KV "
                 "cache, which streaming attention does not support; exclude it with "
                 "'streaming_layers'")
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"kvstack streaming: {layer.layer_name} is being captured in a CUDA graph; its "
+                "attention runs in the connector and cannot be captured. Use cudagraph_mode "
+                "PIECEWISE (attention among the splitting ops) or enforce_eager.")
         return self._worker.attention(layer, query, key, value, output, attn_metadata)
 
     # ---- scheduler side ------------------------------------------------------------------
@@ -141,3 +156,22 @@ class StreamingConnector(KVConnectorBase_V1, SupportsHMA):
     def stats(self) -> dict[str, Any]:
         """Host-tier counters (scheduler side)."""
         return self._sched.stats() if self._sched is not None else {}
+
+    def get_kv_connector_stats(self) -> "StreamingConnectorStats | None":
+        """This step's host-tier stats for vLLM's stats path (scheduler side; see metrics.py):
+        gauges now, counter increments since the last call, or None when nothing changed."""
+        if self._sched is None:
+            return None
+        return self._reporter.take(self._sched.stats())
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None
+                                 ) -> StreamingConnectorStats:
+        data = data or {}
+        return StreamingConnectorStats(data={"gauges": dict(data.get("gauges", {})),
+                                             "counters": dict(data.get("counters", {}))})
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: "VllmConfig", metric_types: dict, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> StreamingPromMetrics:
+        return StreamingPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

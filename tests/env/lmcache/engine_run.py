@@ -1,8 +1,10 @@
 """Run a tiny model once on the CPU engine, optionally with LMCacheConnectorV1, and print JSON.
 
     python engine_run.py --model qwen3next --model-dir DIR [--lmcache] [--wipe] --prompts P.json
+                         [--max-tokens N] [--max-num-batched-tokens N] [--max-model-len N]
 
-Used by the tests (one engine per process, as a user would run it). LMCache's backend is chosen
+Used by the tests (one engine per process, as a user would run it; tests/env/server takes its
+offline reference tokens from it). LMCache's backend is chosen
 with the usual LMCACHE_* environment variables. The last stdout line is JSON:
 {"tokens": [[...], ...], "hits": [N, ...], "restored": [N, ...], "warnings": [...], "indexed": N|null}
 where hits are the external hit tokens LMCache reported for each request, restored the hybrid states
@@ -48,6 +50,7 @@ def main(argv=None) -> int:
     ap.add_argument("--wipe", action="store_true", help="zero the engine's KV cache before each prompt")
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--max-num-batched-tokens", type=int, default=64)
+    ap.add_argument("--max-model-len", type=int, default=None, help="default: llm_kwargs' (512)")
     args = ap.parse_args(argv)
 
     apply_engine_env()
@@ -73,6 +76,8 @@ def main(argv=None) -> int:
 
     kw = llm_kwargs(args.model, args.model_dir, enable_prefix_caching=False,
                     max_num_batched_tokens=args.max_num_batched_tokens)
+    if args.max_model_len:
+        kw["max_model_len"] = args.max_model_len
     if args.lmcache:
         kw["kv_transfer_config"] = KVTransferConfig(kv_connector="LMCacheConnectorV1", kv_role="kv_both")
     llm = LLM(**kw)

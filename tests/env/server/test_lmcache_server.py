@@ -1,0 +1,182 @@
+"""`vllm serve` with LMCacheConnectorV1 on the tiny Qwen3-Next (hybrid: 3 gated delta-net layers +
+1 full attention), on loopback, driven by the `openai` client and `vllm bench serve`. Two LMCache
+backends, one server each (the README's commands, test_readme_commands.py):
+
+- ``local-cpu``: LMCache's local CPU backend (LMCACHE_LOCAL_CPU=True);
+- ``remote``: no local tier, chunks go to an `lmcache_server` on 127.0.0.1 (LMCACHE_REMOTE_URL).
+
+LMCache hits are visible on /metrics through vLLM's own counters: the scheduler records every
+connector's ``get_num_new_matched_tokens`` result as ``vllm:external_prefix_cache_hits`` (tokens)
+out of ``vllm:external_prefix_cache_queries``; no LMCache-specific metric is needed for that.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from vllm_server import (
+    LMCACHE_PORT,
+    ROOT,
+    OfflineRun,
+    Server,
+    bench_serve,
+    free_port,
+    lmcache_server,
+    serving,
+)
+
+pytestmark = [pytest.mark.env, pytest.mark.slow]
+
+MODEL = "build/tiny-models/qwen3next"
+STATE_DIR = "build/lmcache-hybrid-state"
+MAX_LEN = 512
+KV_TRANSFER = {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both",
+               "kv_connector_extra_config": {"lmcache.hybrid_state_dir": STATE_DIR}}
+SERVE = [MODEL, "--host", "127.0.0.1", "--port", "8000",
+         "--dtype", "bfloat16", "--mamba-ssm-cache-dtype", "float32", "--max-model-len", "512",
+         "--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--enforce-eager", "--seed", "0",
+         "--no-enable-prefix-caching",
+         "--kv-transfer-config", json.dumps(KV_TRANSFER, separators=(",", ":"))]
+ENV = {
+    "local-cpu": {"LMCACHE_CHUNK_SIZE": "32", "LMCACHE_LOCAL_CPU": "True",
+                  "LMCACHE_MAX_LOCAL_CPU_SIZE": "1"},
+    # LMCache still allocates its CPU buffer (default 5 GB) as the staging area: keep it at 1.
+    "remote": {"LMCACHE_CHUNK_SIZE": "32", "LMCACHE_LOCAL_CPU": "False",
+               "LMCACHE_MAX_LOCAL_CPU_SIZE": "1", "LMCACHE_REMOTE_URL": f"lm://127.0.0.1:{LMCACHE_PORT}",
+               "LMCACHE_REMOTE_SERDE": "naive"},
+}
+LMCACHE_SERVER = ["lmcache_server", "127.0.0.1", LMCACHE_PORT]
+# 200 random prompts of 210-390 tokens, 4 at a time.
+BENCH = ["--host", "127.0.0.1", "--port", "8000", "--model", MODEL,
+         "--dataset-name", "random", "--random-input-len", "300", "--random-range-ratio", "0.3",
+         "--random-output-len", "4", "--ignore-eos", "--temperature", "0",
+         "--num-prompts", "200", "--max-concurrency", "4", "--seed", "0", "--disable-tqdm",
+         "--save-result", "--result-dir", "build/server-tests",
+         "--result-filename", "qwen3next-lmcache-bench.json"]
+MAX_TOKENS = 8
+CHUNK = 32
+
+
+def prompt(n: int, salt: int) -> list[int]:
+    return [(i * 37 + salt * 101) % 900 + 3 for i in range(n)]
+
+
+GREEDY = {f"p{n}": prompt(n, i) for i, n in enumerate([100, 37, 260, 300])}
+MIXED = {f"mixed{i}-{n}": prompt(n, 10 + i)
+         for i, n in enumerate([100, 480, 33, 200, 64, 350, 7, 150])}
+AFTER_400 = {"after400": prompt(120, 30)}
+# A fresh prompt per backend: its first request is a miss, its repeat an LMCache hit.
+REPEAT = {"repeat-local-cpu": prompt(100, 40), "repeat-remote": prompt(100, 41)}
+PROMPTS = {**GREEDY, **MIXED, **AFTER_400, **REPEAT}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """Offline `LLM.generate`, same engine arguments, no KV connector."""
+    from kvstack.tiny_models import make_model
+
+    make_model("qwen3next", ROOT / MODEL)
+    run = OfflineRun("qwen3next-offline", "qwen3next", MODEL, list(PROMPTS.values()),
+                     max_tokens=MAX_TOKENS, max_model_len=MAX_LEN, max_num_batched_tokens=64)
+    yield run
+    run.stop()
+
+
+BOTH = pytest.mark.parametrize("server", ["local-cpu", "remote"], indirect=True)
+
+
+@pytest.fixture(scope="module")
+def server(request, reference):
+    backend = request.param
+    shutil.rmtree(ROOT / STATE_DIR, ignore_errors=True)  # no state of an earlier run
+    if backend == "remote":
+        port = free_port()
+        with lmcache_server(port):
+            with serving(Server(f"qwen3next-lmcache-{backend}", SERVE, ENV[backend],
+                                ports={LMCACHE_PORT: port})) as s:
+                s.backend = backend
+                yield s
+    else:
+        with serving(Server(f"qwen3next-lmcache-{backend}", SERVE, ENV[backend])) as s:
+            s.backend = backend
+            yield s
+
+
+@pytest.fixture(scope="module")
+def expected(reference):
+    return dict(zip(PROMPTS, reference.result()))
+
+
+@BOTH
+def test_greedy_completions_equal_offline_generate(server, expected):
+    client = server.client()
+    for name, p in GREEDY.items():
+        assert server.complete(p, MAX_TOKENS, client) == expected[name], name
+
+
+@BOTH
+def test_repeat_is_an_lmcache_hit_on_metrics_with_the_same_tokens(server, expected):
+    """100-token prompt, 64-token steps, 32-token chunks: the repeat restores K/V and the hybrid
+    state at 64 tokens (where a step ended on a chunk boundary) and recomputes the rest."""
+    name = f"repeat-{server.backend}"
+    p = REPEAT[name]
+    client = server.client()
+    before = server.metrics()
+    assert server.complete(p, MAX_TOKENS, client) == expected[name]
+    time.sleep(1.0)  # LMCache stores asynchronously (the remote backend over the network)
+    assert server.complete(p, MAX_TOKENS, client) == expected[name]
+    after = server.wait_metrics(lambda m: m["vllm:external_prefix_cache_hits_total"]
+                                > before["vllm:external_prefix_cache_hits_total"])
+    assert after["vllm:external_prefix_cache_hits_total"] - before[
+        "vllm:external_prefix_cache_hits_total"] == 64
+    assert after["vllm:external_prefix_cache_queries_total"] - before[
+        "vllm:external_prefix_cache_queries_total"] == 2 * len(p)
+    assert "restored hybrid state at 64" in server.log.read_text()
+
+
+@BOTH
+def test_concurrent_requests_equal_one_at_a_time(server, expected):
+    client = server.client()
+    one_by_one = {name: server.complete(p, MAX_TOKENS, client) for name, p in MIXED.items()}
+    with ThreadPoolExecutor(len(MIXED)) as pool:
+        futures = {name: pool.submit(server.complete, p, MAX_TOKENS, client)
+                   for name, p in MIXED.items()}
+        together = {name: f.result() for name, f in futures.items()}
+    assert together == one_by_one
+    assert one_by_one == {name: expected[name] for name in MIXED}
+
+
+@BOTH
+def test_prompt_over_max_model_len_is_400_and_server_keeps_serving(server, expected):
+    import openai
+
+    client = server.client()
+    with pytest.raises(openai.BadRequestError) as err:
+        server.complete(prompt(MAX_LEN + 1, 50), MAX_TOKENS, client)
+    assert err.value.status_code == 400
+    assert "maximum context length is 512" in str(err.value)
+    assert server.complete(AFTER_400["after400"], MAX_TOKENS, client) == expected["after400"]
+
+
+@pytest.mark.parametrize("server", ["local-cpu"], indirect=True)  # the costly one: one backend
+def test_bench_serve_no_failures_and_flat_memory(server):
+    """200 requests, 4 at a time, none failed; resident memory of the server's process tree
+    within 5% of its value after a warm-up of the same size and shape (another seed)."""
+    warm = list(BENCH)
+    warm[warm.index("--seed") + 1] = "1"
+    warm[warm.index("--result-filename") + 1] = f"qwen3next-{server.backend}-warmup.json"
+    w = bench_serve(server, warm)
+    assert w["failed"] == 0 and w["completed"] == 200
+    rss_warm = server.rss_bytes()
+    r = bench_serve(server, BENCH)
+    assert r["failed"] == 0, r
+    assert r["completed"] == 200
+    rss_after = server.rss_bytes()
+    print(f"{server.backend}: server RSS after warm-up {rss_warm / 2**20:.0f} MiB, after the "
+          f"bench {rss_after / 2**20:.0f} MiB")
+    assert abs(rss_after - rss_warm) <= 0.05 * rss_warm, (rss_warm, rss_after)
