@@ -63,26 +63,11 @@ done
 case "$target" in cuda|cpu) ;; *) die "--target must be cuda or cpu, not '$target'";; esac
 python="${PYTHON:-python3}"
 
-# The builder: chosen, or detected.
-if [ -n "$builder" ]; then
-  case "$builder" in
-    docker|podman|buildah) ;;
-    *) die "--builder must be docker, podman or buildah, not '$builder'";;
-  esac
-  if [ "$print" = 0 ] && ! command -v "$builder" >/dev/null 2>&1; then
-    die "--builder $builder: '$builder' is not installed (not on PATH)"
-  fi
-elif [ "$print" = 1 ]; then
-  builder=docker
-elif command -v docker >/dev/null 2>&1 && docker info >/dev/null 2>&1; then
-  builder=docker
-elif command -v podman >/dev/null 2>&1; then
-  builder=podman
-elif command -v buildah >/dev/null 2>&1; then
-  builder=buildah
-else
-  die "no image builder found: install Docker (with a running daemon), Podman or Buildah, or pass --builder"
-fi
+# The builder: chosen, or detected (--print alone: docker, installed or not).
+# shellcheck source=scripts/lib_builder.sh
+. "$root/scripts/lib_builder.sh"
+if [ -z "$builder" ] && [ "$print" = 1 ]; then builder=docker; fi
+choose_builder "$builder" "$((1 - print))"
 [ -z "$ca_cert" ] || [ -f "$ca_cert" ] || die "--ca-cert $ca_cert: no such file"
 if [ "$use_wheelhouse" = 1 ] && [ -z "$wheelhouse" ]; then
   wheelhouse="${KVSTACK_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/kvstack}/wheels"
@@ -94,14 +79,7 @@ else
 fi
 
 # containers/storage driver of podman/buildah: explicit, else what the local storage already uses.
-if [ "$builder" != docker ] && [ -z "$storage_driver" ]; then
-  if [ "$(id -u)" = 0 ]; then graphroot=/var/lib/containers/storage
-  else graphroot="${XDG_DATA_HOME:-$HOME/.local/share}/containers/storage"; fi
-  if [ -d "$graphroot/vfs-images" ]; then storage_driver=vfs
-  elif [ -d "$graphroot/overlay-images" ]; then storage_driver=overlay
-  elif [ "$builder" = buildah ]; then storage_driver=vfs
-  fi
-fi
+default_storage_driver
 
 revision=unknown
 if git -C "$root" rev-parse --verify -q HEAD >/dev/null 2>&1; then

@@ -38,23 +38,11 @@ while [ $# -gt 0 ]; do
     *) die "unknown argument $1 (see --help)";;
   esac
 done
-if [ -n "$builder" ]; then
-  case "$builder" in docker|podman|buildah) ;; *) die "--builder must be docker, podman or buildah, not '$builder'";; esac
-  command -v "$builder" >/dev/null 2>&1 || die "--builder $builder: '$builder' is not installed (not on PATH)"
-elif command -v docker >/dev/null 2>&1 && docker info >/dev/null 2>&1; then builder=docker
-elif command -v podman >/dev/null 2>&1; then builder=podman
-elif command -v buildah >/dev/null 2>&1; then builder=buildah
-else die "no image builder found: install Docker (with a running daemon), Podman or Buildah"
-fi
+# shellcheck source=scripts/lib_builder.sh
+. "$(dirname "${BASH_SOURCE[0]}")/lib_builder.sh"
+choose_builder "$builder"
 command -v mmdebstrap >/dev/null 2>&1 || die "mmdebstrap is not installed (Debian/Ubuntu: apt-get install mmdebstrap)"
-if [ "$builder" != docker ] && [ -z "$storage_driver" ]; then
-  if [ "$(id -u)" = 0 ]; then graphroot=/var/lib/containers/storage
-  else graphroot="${XDG_DATA_HOME:-$HOME/.local/share}/containers/storage"; fi
-  if [ -d "$graphroot/vfs-images" ]; then storage_driver=vfs
-  elif [ -d "$graphroot/overlay-images" ]; then storage_driver=overlay
-  elif [ "$builder" = buildah ]; then storage_driver=vfs
-  fi
-fi
+default_storage_driver
 sd=(); [ -z "$storage_driver" ] || [ "$builder" = docker ] || sd=(--storage-driver "$storage_driver")
 
 tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT

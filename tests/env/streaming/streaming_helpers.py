@@ -68,16 +68,7 @@ def streaming_transfer_config(**extra):
 
 def make_llm(name: str, *, streaming: dict | None = None, **overrides):
     """An LLM for tiny model `name`; with `streaming` (extra config) the kvstack connector."""
-    from kvstack.tiny_models import llm_kwargs
-    from vllm import LLM
-
-    kw = llm_kwargs(name, tiny_model(name), enable_prefix_caching=False, **overrides)
-    if streaming is not None:
-        kw["kv_transfer_config"] = streaming_transfer_config(**streaming)
-        with env(**{HMA_ENV: "1"}):
-            return LLM(**kw)
-    with env(**{HMA_ENV: None}):
-        return LLM(**kw)
+    return make_llm_from(tiny_model(name), name, streaming=streaming, **overrides)
 
 
 def scheduler_connector(llm):

@@ -39,16 +39,11 @@ def model_dir():
 
 
 def _llm(model_dir, streaming):
-    from kvstack.tiny_models import llm_kwargs
-    from streaming_helpers import HMA_ENV, env, streaming_transfer_config
-    from vllm import LLM
+    from streaming_helpers import make_llm_from
 
-    kw = llm_kwargs("llama4", model_dir, enable_prefix_caching=False,
-                    **(BUDGET if streaming else {"max_model_len": 512}))
     if streaming:
-        kw["kv_transfer_config"] = streaming_transfer_config(**STREAMING)
-    with env(**{HMA_ENV: "1" if streaming else None}):
-        return LLM(**kw)
+        return make_llm_from(model_dir, streaming=STREAMING, **BUDGET)
+    return make_llm_from(model_dir, max_model_len=512)
 
 
 def test_every_streaming_group_is_streamed(model_dir):
