@@ -51,7 +51,8 @@ COUNTERS: dict[str, tuple[str, str]] = {
                             "kvstack StreamingConnector: requests that reused a cached prefix."),
     "failed_host_tier_full": ("vllm:kvstack_host_tier_full_failed_requests",
                               "kvstack StreamingConnector: requests failed because the host "
-                              "tier was full (on_host_tier_full='fail')."),
+                              "tier was full (at admission with on_host_tier_full='fail', or "
+                              "decoding past their reservation)."),
     "evicted_pages": ("vllm:kvstack_host_tier_evicted_pages",
                       "kvstack StreamingConnector: cached pages evicted to make room."),
 }
