@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from kvstack import tiny_models  # noqa: E402
-from kvstack.engine import shutdown_llm  # noqa: E402
+from kvstack.engine import shutdown_llm, track_peak_device_blocks  # noqa: E402
 
 tiny_models.apply_engine_env()
 # Timings on a small shared machine: one unbound OpenMP thread per engine is stable, two bound
@@ -90,23 +90,9 @@ def peak_device_blocks(llm, n: int, salt: int) -> tuple[int, list[int]]:
     """Serve one request of n prompt tokens; peak device KV blocks in use over its steps."""
     from vllm import SamplingParams
 
-    sched = llm.llm_engine.engine_core.engine_core.scheduler
-    pool = sched.kv_cache_manager.block_pool
-    total = pool.num_gpu_blocks - 1  # the null block is never free
-    peak = [0]
-    orig = sched.schedule
-
-    def schedule(*a, **k):
-        out = orig(*a, **k)
-        peak[0] = max(peak[0], total - pool.get_num_free_blocks())
-        return out
-
-    sched.schedule = schedule
-    try:
+    with track_peak_device_blocks(llm) as peak:
         out = llm.generate([prompt(n, salt)], SamplingParams(max_tokens=4, temperature=0,
                                                              ignore_eos=True), use_tqdm=False)
-    finally:
-        sched.schedule = orig
     return peak[0], list(out[0].outputs[0].token_ids)
 
 

@@ -39,6 +39,7 @@ import time
 from pathlib import Path
 
 from kvstack import tiny_models
+from kvstack.engine import track_peak_device_blocks
 
 DEFAULT_MAX_TOKENS = 16
 DEFAULT_WORK = Path("build") / "demo"
@@ -153,19 +154,8 @@ def _child(spec_path: str) -> None:
     if task == "long":
         ids = prompt_ids(spec["prompt_tokens"])
         sched = core.scheduler
-        pool = sched.kv_cache_manager.block_pool
-        usable = pool.num_gpu_blocks - 1  # the null block is never free
-        peak = [0]
-        orig = sched.schedule
-
-        def schedule(*a, **k):
-            r = orig(*a, **k)
-            peak[0] = max(peak[0], usable - pool.get_num_free_blocks())
-            return r
-
-        sched.schedule = schedule
-        o, dt = gen(ids, spec["max_tokens"])
-        sched.schedule = orig
+        with track_peak_device_blocks(llm) as peak:
+            o, dt = gen(ids, spec["max_tokens"])
         result.update(tokens=list(o.outputs[0].token_ids), gen_s=dt, peak_device_blocks=peak[0],
                       prompt_tokens=len(o.prompt_token_ids or ids))
         conn = getattr(sched, "connector", None)

@@ -22,3 +22,25 @@ def shutdown_llm(llm) -> None:
     gc.collect()
     ensure_kv_transfer_shutdown()
     cleanup_dist_env_and_memory()
+
+
+@contextlib.contextmanager
+def track_peak_device_blocks(llm):
+    """Within the block, the peak number of device KV cache blocks in use after each scheduler
+    step of the in-process engine `llm` (yields a one-item list, updated as it runs)."""
+    sched = llm.llm_engine.engine_core.engine_core.scheduler
+    pool = sched.kv_cache_manager.block_pool
+    usable = pool.num_gpu_blocks - 1  # the null block is never free
+    peak = [0]
+    orig = sched.schedule
+
+    def schedule(*args, **kwargs):
+        out = orig(*args, **kwargs)
+        peak[0] = max(peak[0], usable - pool.get_num_free_blocks())
+        return out
+
+    sched.schedule = schedule
+    try:
+        yield peak
+    finally:
+        sched.schedule = orig

@@ -65,12 +65,12 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
 import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+from kvstack.fetch import sha256_of  # noqa: E402  (standard library only)
 
 DEFAULT_OUT = ROOT / "build" / "gpu-carry"
 DEFAULT_DEST = Path("/tmp/kvstack-carry")
@@ -128,14 +128,6 @@ tokenspeed-mla pynvvideocodec torchcodec fastsafetensors nvidia-cudnn-frontend
 
 def norm(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
-
-
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 # ----------------------------------------------------------------------------- requirements
@@ -307,7 +299,7 @@ def split_into_folders(files: list[Path], out: Path, piece_bytes: int) -> dict:
     entries, pieces = [], []
     for f in files:
         size = f.stat().st_size
-        entry = {"name": f.name, "size": size, "sha256": sha256(f), "pieces": []}
+        entry = {"name": f.name, "size": size, "sha256": sha256_of(f), "pieces": []}
         offset, idx = 0, 0
         while offset < size or (size == 0 and idx == 0):
             n = min(piece_bytes, size - offset)
@@ -366,7 +358,7 @@ def unpack_folder(folder: Path, dest: Path) -> tuple[bool, list[str]]:
             if piece["folder"] != name:
                 continue
             src = folder / piece["file"]
-            if not src.exists() or src.stat().st_size != piece["size"] or sha256(src) != piece["sha256"]:
+            if not src.exists() or src.stat().st_size != piece["size"] or sha256_of(src) != piece["sha256"]:
                 lines.append(f"error: piece {piece['file']} of folder {name} is missing or corrupt")
                 ok = False
                 continue
@@ -383,7 +375,7 @@ def unpack_folder(folder: Path, dest: Path) -> tuple[bool, list[str]]:
                 os.replace(part, final)
             elif entry["size"] == 0:
                 final.write_bytes(b"")
-            if final.exists() and final.stat().st_size == entry["size"] and sha256(final) == entry["sha256"]:
+            if final.exists() and final.stat().st_size == entry["size"] and sha256_of(final) == entry["sha256"]:
                 state["complete"].append(entry["name"])
                 lines.append(f"complete: {entry['name']} ({entry['size']} bytes, sha256 ok)")
             else:
@@ -460,7 +452,7 @@ def fetch_vllm(pip: list[str], pin: dict, wheels: Path) -> Path:
         ok, err = pip_download(pip, [f"{pin['CUDA_WHEEL_PROJECT']}=={pin['VERSION']}"], wheels)
         if not ok or not whl.exists():
             raise RuntimeError(f"the registry did not provide {whl.name}: {err[-500:]}")
-    got = sha256(whl)
+    got = sha256_of(whl)
     if got != pin["CUDA_WHEEL_SHA256"]:
         raise RuntimeError(f"sha256 mismatch for {whl}: expected {pin['CUDA_WHEEL_SHA256']}, got {got}")
     return whl
