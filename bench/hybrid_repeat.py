@@ -25,7 +25,7 @@ sys.path.insert(0, str(REPO))
 
 
 def build_model(dest: Path, hidden: int, layers: int) -> Path:
-    from kvstack import tiny_models as tm
+    from kvstack.testbed import tiny_models as tm
 
     base = tm.MODELS["qwen3next"]
     heads = max(4, hidden // 64)
@@ -48,7 +48,7 @@ def build_model(dest: Path, hidden: int, layers: int) -> Path:
 
 
 def child(args) -> None:
-    from kvstack.tiny_models import apply_engine_env
+    from kvstack.testbed.tiny_models import apply_engine_env
 
     apply_engine_env()
     from vllm import LLM, SamplingParams

@@ -32,8 +32,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kvstack import tiny_models  # noqa: E402
-from kvstack.engine import shutdown_llm, track_peak_device_blocks  # noqa: E402
+from kvstack.testbed import tiny_models  # noqa: E402
+from kvstack.testbed.engine import shutdown_llm, track_peak_device_blocks  # noqa: E402
 
 tiny_models.apply_engine_env()
 # Timings on a small shared machine: one unbound OpenMP thread per engine is stable, two bound

@@ -9,13 +9,13 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = {
-        "doctor": ("check pinned versions and every patch's state in this environment", "kvstack.doctor"),
-        "fetch": ("download, verify and unpack the pinned sdists", "kvstack.fetch"),
-        "apply": ("apply the patch stack (see scripts/apply_patches.sh --help)", "kvstack.patchstack"),
+        "doctor": ("check pinned versions and every patch's state in this environment", "kvstack.release.doctor"),
+        "fetch": ("download, verify and unpack the pinned sdists", "kvstack.release.fetch"),
+        "apply": ("apply the patch stack (see scripts/apply_patches.sh --help)", "kvstack.release.patchstack"),
         "upstream-status": ("propose each patch's Upstream-Status / Drop-When from the regression matrix",
                             "kvstack.upstream_status"),
-        "tiny-models": ("make the tiny random-weight test models locally", "kvstack.tiny_models"),
-        "demo": ("run a short generation through the patched CPU engine", "kvstack.demo"),
+        "tiny-models": ("make the tiny random-weight test models locally", "kvstack.testbed.tiny_models"),
+        "demo": ("run a short generation through the patched CPU engine", "kvstack.testbed.demo"),
     }
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         parser = argparse.ArgumentParser(prog="kvstack", description="kvstack: vLLM + LMCache with a patch stack.")

@@ -5,7 +5,7 @@ suites. What each suite means:
 
 apply
     For every release of a component and every patch of its series, in series order, on a
-    pristine copy of that release's sdist (kvstack.patchstack.plan_series, no fuzz):
+    pristine copy of that release's sdist (kvstack.release.patchstack.plan_series, no fuzz):
     ``applies`` / ``applies with offset`` (hunk offsets named) / ``conflicts`` (file and hunk
     named) / ``already upstream`` (the patch reverse-applies, or its probe says so).
     A probe is ``ci/probes/<component>/<patch file name without .patch>.py`` defining
@@ -51,9 +51,9 @@ import xml.etree.ElementTree as ET
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from kvstack.fetch import sha256_of
-from kvstack.patchstack import ALREADY, APPLIES, OFFSET, patch_headers, plan_series, read_series
-from kvstack.pins import COMPONENTS, REPO_ROOT, cache_dir, load_pin
+from kvstack.release.fetch import sha256_of
+from kvstack.release.patchstack import ALREADY, APPLIES, OFFSET, patch_headers, plan_series, read_series
+from kvstack.release.pins import COMPONENTS, REPO_ROOT, cache_dir, load_pin
 
 # Cell states.
 S_APPLIES = "applies"
@@ -185,7 +185,7 @@ def _sdist_names(project: str, version: str) -> list[str]:
 
 def resolve_sdist(config: Config, component: str, version: str, offline: bool = False) -> tuple[Path, str, str]:
     """(sdist path, sha256, how it was verified) for one release, downloading it if needed."""
-    from kvstack import fetch
+    from kvstack.release import fetch
 
     project = config.projects[component]
     sdists = cache_dir() / "sdists"
@@ -232,7 +232,7 @@ TREE_STAMP = ".kvstack-sdist-sha256"
 
 def release_tree(config: Config, component: str, version: str, offline: bool = False) -> tuple[Path, str, str]:
     """A pristine unpacked tree of one release (cached), with the sdist's sha256 and how it was verified."""
-    from kvstack.fetch import extract_sdist
+    from kvstack.release.fetch import extract_sdist
 
     sdist, digest, how = resolve_sdist(config, component, version, offline)
     tree = cache_dir() / "trees" / f"{config.projects[component]}-{version}"

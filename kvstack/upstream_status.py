@@ -30,8 +30,8 @@ from pathlib import Path
 
 from kvstack.matrix import (LABEL, S_APPLIES, S_CONFLICTS, S_OFFSET, S_UPSTREAM, load_config,
                             diff_sha256, run_matrix, version_key)
-from kvstack.patchstack import read_series
-from kvstack.pins import COMPONENTS, REPO_ROOT, load_pin
+from kvstack.release.patchstack import read_series
+from kvstack.release.pins import COMPONENTS, REPO_ROOT, load_pin
 
 DEFAULT_MATRIX = REPO_ROOT / "ci" / "matrix.json"
 VERSION_RE = re.compile(r"(?<![\w.#])v?(\d+\.\d+(?:\.\d+)?)(?![\w.])")

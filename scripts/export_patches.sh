@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The patch round trip, export half (see kvstack/roundtrip.py). Run with --help.
+# The patch round trip, export half (see kvstack/release/roundtrip.py). Run with --help.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" exec "${PYTHON:-python3}" -c 'import sys; from kvstack.roundtrip import main_export; sys.exit(main_export())' "$@"
+PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" exec "${PYTHON:-python3}" -c 'import sys; from kvstack.release.roundtrip import main_export; sys.exit(main_export())' "$@"

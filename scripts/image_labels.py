@@ -29,8 +29,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from kvstack.patchstack import patch_headers, read_series  # noqa: E402
-from kvstack.pins import COMPONENTS, load_pin  # noqa: E402
+from kvstack.release.patchstack import patch_headers, read_series  # noqa: E402
+from kvstack.release.pins import COMPONENTS, load_pin  # noqa: E402
 
 SBOM_PATH = "/opt/kvstack/share/kvstack/sbom.pip-inspect.json"
 TARGETS = ("cuda", "cpu")
@@ -55,7 +55,7 @@ def patch_list(site_packages: Path | None = None) -> list[dict]:
         patches = read_series(load_pin(comp).series_dir)
         states: dict[Path, str] = {}
         if site_packages is not None and patches:
-            from kvstack.patchstack import plan_series
+            from kvstack.release.patchstack import plan_series
 
             plan = plan_series(comp, patches, site_packages, installed_only=True)
             try:

@@ -20,4 +20,4 @@ if [ ! -x "$python" ]; then
   esac
 fi
 cd "$root"
-PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" exec "$python" -m kvstack.upstream_tests --python "$python" "$@"
+PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" exec "$python" -m kvstack.testbed.upstream_tests --python "$python" "$@"

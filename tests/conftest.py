@@ -13,7 +13,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from kvtest import run_script  # noqa: E402
-from kvstack.pins import load_pin  # noqa: E402
+from kvstack.release.pins import load_pin  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -35,7 +35,7 @@ def pristine_tree(tmp_path_factory):
 
     def get(component: str) -> Path:
         if component not in trees:
-            from kvstack.fetch import cached_sdist, extract_sdist
+            from kvstack.release.fetch import cached_sdist, extract_sdist
 
             dest = tmp_path_factory.mktemp(f"pristine-{component}") / "tree"
             extract_sdist(cached_sdist(load_pin(component)), dest)

@@ -25,8 +25,8 @@ from pathlib import Path
 
 import pytest
 
-from kvstack.patchstack import read_series
-from kvstack.pins import COMPONENTS, load_pin
+from kvstack.release.patchstack import read_series
+from kvstack.release.pins import COMPONENTS, load_pin
 
 from kvtest import REPO  # noqa: E402
 DOCKERFILE = REPO / "Dockerfile"
@@ -231,7 +231,7 @@ def test_no_pin_is_written_in_the_dockerfile_and_the_context_carries_the_pin_fil
         assert not any(a == never or a.startswith(never + "/") for a in allowed), never
     context = build_context_files()
     for needed in ("vllm/pin.env", "lmcache/pin.env", "scripts/install_image.sh", "scripts/build_env.sh",
-                   "kvstack/doctor.py", "pyproject.toml"):
+                   "kvstack/release/doctor.py", "pyproject.toml"):
         assert needed in context, needed
     for comp in COMPONENTS:
         for patch in read_series(load_pin(comp).series_dir):

@@ -70,7 +70,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-from kvstack.fetch import sha256_of  # noqa: E402  (standard library only)
+from kvstack.release.fetch import sha256_of  # noqa: E402  (standard library only)
 
 DEFAULT_OUT = ROOT / "build" / "gpu-carry"
 DEFAULT_DEST = Path("/tmp/kvstack-carry")
@@ -495,7 +495,7 @@ def collect(pip: list[str], metadata: str, have: dict, skip: set, deps_dir: Path
 
 
 def cmd_pack(args) -> int:
-    from kvstack.pins import cache_dir, read_env_file
+    from kvstack.release.pins import cache_dir, read_env_file
 
     pin = read_env_file(ROOT / "vllm" / "pin.env")
     wheels = args.wheels or cache_dir() / "wheels"

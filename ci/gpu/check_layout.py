@@ -5,7 +5,7 @@ The ladder is the patches of patches/vllm/series whose header says `Kvstack-Issu
 attention backend and each tiny random-weight model (llama, llama4, qwen3next), run greedy
 generation twice, each in its own process: once with the ladder and once without it. Nothing
 installed is modified: one of the two sides is the installed vLLM as it is, the other one an
-overlay (kvstack/overlay.py: copies of the files the ladder touches, put in front of the
+overlay (kvstack/release/overlay.py: copies of the files the ladder touches, put in front of the
 installed package).
   - vLLM with kvstack's whole series applied (the usual case: the kvstack venv or image):
     the unpatched side is an overlay with the ladder taken out again (git apply -R).
@@ -44,7 +44,8 @@ PROMPTS = [[(i * 37) % 900 + 3 for i in range(n)] for n in (5, 37, 100, 300)]
 
 
 def child(model: str, backend: str, work: Path, out: Path) -> None:
-    from kvstack import overlay, tiny_models
+    from kvstack.release import overlay
+    from kvstack.testbed import tiny_models
 
     overlay.install()  # $KVSTACK_OVERLAY, when set: the patched run
     tiny_models.apply_engine_env()
@@ -104,7 +105,7 @@ def main(argv=None) -> int:
         child(model, backend, Path(work), Path(out))
         return 0
 
-    from kvstack import overlay
+    from kvstack.release import overlay
 
     spec = importlib.util.find_spec("vllm")
     if spec is None or not spec.submodule_search_locations:

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Streaming vs native, end to end on one device: kvstack's StreamingConnector (issue 13).
 
-The tiny Llama-4 (kvstack.tiny_models "llama4": layers 0-2 chunked-local, layer 3 a NoPE global
+The tiny Llama-4 (kvstack.testbed.tiny_models "llama4": layers 0-2 chunked-local, layer 3 a NoPE global
 layer, the one the connector streams) is run twice, each side in its own process:
   - native:    vLLM without a connector, enough device KV for every prompt;
   - streaming: vLLM with kvstack.streaming.StreamingConnector and a device KV budget smaller than
@@ -184,7 +184,7 @@ def _engine_env(device: str) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if device == "cpu":
-        from kvstack import tiny_models
+        from kvstack.testbed import tiny_models
 
         tiny_models.apply_engine_env()  # KV space, and the sampler uncompiled (eager, same tokens)
 
@@ -252,7 +252,7 @@ def child(plan_file: Path, side: str, out: Path) -> None:
         os.environ[HMA_ENV] = "1"
     else:
         os.environ.pop(HMA_ENV, None)
-    from kvstack import tiny_models
+    from kvstack.testbed import tiny_models
 
     probe = Probe() if side == "streaming" else None
     from vllm import LLM, SamplingParams
@@ -459,7 +459,7 @@ def main(argv=None) -> int:
             print("error: --device cuda but torch sees no GPU (use --device cpu)", file=sys.stderr)
             return 2
 
-    from kvstack import tiny_models
+    from kvstack.testbed import tiny_models
 
     work = args.work.resolve()
     work.mkdir(parents=True, exist_ok=True)

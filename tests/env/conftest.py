@@ -1,14 +1,14 @@
 """Fixtures for tests that run the real vLLM CPU engine of the built venv (.venv).
 
-- `tiny_model_dir(name) -> Path`: the tiny model `name` (kvstack.tiny_models), written once per
+- `tiny_model_dir(name) -> Path`: the tiny model `name` (kvstack.testbed.tiny_models), written once per
   test session under a temporary folder.
 - `tiny_llm(name, **overrides)`: a context manager that starts a real `vllm.LLM` on that model with
-  the shared engine arguments (`kvstack.tiny_models.llm_kwargs`) and shuts it down on exit. Engine
+  the shared engine arguments (`kvstack.testbed.tiny_models.llm_kwargs`) and shuts it down on exit. Engine
   start costs seconds: open one per module in a module-scoped fixture and reuse it.
 - `greedy(llm, prompts, max_tokens)`: greedy token ids per prompt (EOS ignored, so every completion
   has exactly `max_tokens` tokens).
 
-The CPU engine's environment (kvstack.tiny_models.ENGINE_ENV) is applied at import, before vLLM is
+The CPU engine's environment (kvstack.testbed.tiny_models.ENGINE_ENV) is applied at import, before vLLM is
 imported by any test, wherever the user has not set a value.
 """
 
@@ -20,8 +20,8 @@ from typing import Callable, Iterator
 
 import pytest
 
-from kvstack import tiny_models
-from kvstack.engine import shutdown_llm
+from kvstack.testbed import tiny_models
+from kvstack.testbed.engine import shutdown_llm
 
 tiny_models.apply_engine_env()
 

@@ -137,7 +137,7 @@ def _fake_results(**changes):
 
 
 def _run_fake(monkeypatch, tmp_path, capsys, **changes):
-    from kvstack import demo, tiny_models
+    from kvstack.testbed import demo, tiny_models
 
     results = _fake_results(**changes)
     monkeypatch.setattr(tiny_models, "make_model", lambda name, dest: Path(dest))

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from kvstack.doctor import package_root
-from kvstack.patchstack import PACKAGE, read_series, touched_paths
-from kvstack.pins import COMPONENTS, load_pin
+from kvstack.release.doctor import package_root
+from kvstack.release.patchstack import PACKAGE, read_series, touched_paths
+from kvstack.release.pins import COMPONENTS, load_pin
 
 
 def doctor(env=None):
@@ -55,7 +55,7 @@ def test_doctor_fails_naming_a_reverted_file(tmp_path, pinned_tree):
     shutil.copytree(site / PACKAGE[comp], overlay / PACKAGE[comp], copy_function=os.link)
     target = overlay / rel
     target.unlink()  # break the hard link before writing
-    from kvstack.fetch import cached_sdist, extract_sdist
+    from kvstack.release.fetch import cached_sdist, extract_sdist
 
     pristine = tmp_path / "pristine"
     extract_sdist(cached_sdist(load_pin(comp)), pristine)

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstack import tiny_models
+from kvstack.testbed import tiny_models
 
 REPO = Path(__file__).resolve().parents[2]
 # Cold builds take ~15-25 minutes (downloads), warm ones a few: beyond the suite's default timeout.

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from kvstack.patchstack import PACKAGE, read_series, touched_paths
-from kvstack.pins import COMPONENTS, load_pin
+from kvstack.release.patchstack import PACKAGE, read_series, touched_paths
+from kvstack.release.pins import COMPONENTS, load_pin
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests"))
@@ -109,7 +109,7 @@ def test_tiny_generation_in_the_new_venv(image_venv, tmp_path):
     prefix, res = image_venv
     assert res.returncode == 0
     if not (REPO / "kvstack" / "demo.py").is_file():
-        pytest.skip("kvstack demo (kvstack/demo.py) is not there yet")
+        pytest.skip("kvstack demo (kvstack/testbed/demo.py) is not there yet")
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
            "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "PATH": f"{prefix}/bin:{os.environ['PATH']}", "VIRTUAL_ENV": str(prefix)}

@@ -12,7 +12,7 @@ import os
 
 import pytest
 
-from kvstack import tiny_models
+from kvstack.testbed import tiny_models
 
 pytestmark = pytest.mark.env
 

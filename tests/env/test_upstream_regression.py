@@ -1,7 +1,7 @@
 """vLLM's own tests (pinned sdist) against the patched CPU environment: no new failures and no
 stale entries in the ledger ci/upstream/expected-failures.txt.
 
-The slow test runs kvstack.upstream_tests' DEFAULT_PATHS (tests/v1/core/test_kv_cache_utils.py,
+The slow test runs kvstack.testbed.upstream_tests' DEFAULT_PATHS (tests/v1/core/test_kv_cache_utils.py,
 tests/v1/kv_connector/unit/ and the worker/attention tests of the files the layout ladder changes;
 6-7 minutes on 2 idle cores). The fast tests check the ledger and the
 comparison rules the slow one relies on.
@@ -14,8 +14,8 @@ import sys
 
 import pytest
 
-from kvstack.pins import load_pin
-from kvstack.upstream_tests import (
+from kvstack.release.pins import load_pin
+from kvstack.testbed.upstream_tests import (
     DEFAULT_PATHS,
     FAILED,
     HUB_SOURCE,

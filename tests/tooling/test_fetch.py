@@ -5,8 +5,8 @@ from __future__ import annotations
 import shutil
 
 from kvtest import run_script, tree_digest
-from kvstack.fetch import cached_sdist
-from kvstack.pins import load_pin
+from kvstack.release.fetch import cached_sdist
+from kvstack.release.pins import load_pin
 
 
 def test_fetch_is_idempotent(pinned_tree):

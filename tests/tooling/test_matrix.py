@@ -22,8 +22,8 @@ from kvtest import REPO, make_patch
 
 from kvstack import matrix as M
 from kvstack import upstream_status as U
-from kvstack.patchstack import read_series
-from kvstack.pins import COMPONENTS, cache_dir, load_pin
+from kvstack.release.patchstack import read_series
+from kvstack.release.pins import COMPONENTS, cache_dir, load_pin
 
 # --------------------------------------------------------------------------- fake releases
 
@@ -237,7 +237,7 @@ def test_orphan_probe_is_found(fake_repo, tmp_path):
 
 
 def test_sdists_are_verified_and_nothing_is_downloaded_when_cached(fake_repo, monkeypatch):
-    from kvstack import fetch
+    from kvstack.release import fetch
 
     def no_network(*a, **k):
         raise AssertionError("tried to download")
@@ -260,7 +260,7 @@ def test_sdists_are_verified_and_nothing_is_downloaded_when_cached(fake_repo, mo
 
 
 def test_download_records_the_index_digest(fake_repo, monkeypatch, tmp_path):
-    from kvstack import fetch
+    from kvstack.release import fetch
 
     calls = []
     src = make_sdist(tmp_path / "elsewhere", "vllm", "0.4.0", {"vllm/__init__.py": ""})

@@ -9,9 +9,9 @@ import shutil
 import pytest
 
 from kvtest import make_patch, run_script, tree_digest
-from kvstack.fetch import download_sdist, extract_sdist
-from kvstack.patchstack import read_series
-from kvstack.pins import cache_dir, load_pin
+from kvstack.release.fetch import download_sdist, extract_sdist
+from kvstack.release.patchstack import read_series
+from kvstack.release.pins import cache_dir, load_pin
 
 OTHER = "0.26.0"
 

@@ -1,4 +1,4 @@
-"""kvstack/overlay.py without a venv: fake site-packages, fixture patches, a fresh interpreter."""
+"""kvstack/release/overlay.py without a venv: fake site-packages, fixture patches, a fresh interpreter."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 
 from kvtest import REPO, make_patch
 
-from kvstack import overlay
+from kvstack.release import overlay
 
 
 @pytest.fixture
@@ -61,7 +61,7 @@ def test_install_puts_the_overlay_in_front(tmp_path, site):
     patch = _patch(tmp_path, site)
     dest = tmp_path / "ov"
     overlay.build_overlay([patch], site, dest)
-    code = ("from kvstack import overlay; assert overlay.install(); "
+    code = ("from kvstack.release import overlay; assert overlay.install(); "
             "import vllm.sub.mod as m; print(m.VALUE, m.__file__)")
     env = {**os.environ, overlay.ENV: str(dest),
            "PYTHONPATH": os.pathsep.join([str(REPO), str(site)])}

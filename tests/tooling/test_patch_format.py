@@ -9,8 +9,8 @@ import subprocess
 
 import pytest
 
-from kvstack.patchstack import patch_headers, read_series, touched_paths
-from kvstack.pins import COMPONENTS, load_pin
+from kvstack.release.patchstack import patch_headers, read_series, touched_paths
+from kvstack.release.pins import COMPONENTS, load_pin
 
 ALL = [(c, p) for c in COMPONENTS for p in read_series(load_pin(c).series_dir)]
 STATUS = re.compile(r"^Upstream-Status: (Backport|Submitted|Pending|Inappropriate|Accepted)\b.*", re.M)
@@ -46,7 +46,7 @@ def test_patch_is_format_patch_with_a_why_and_a_status(component, patch):
 def test_patch_applies_to_pinned_sdist_without_fuzz_and_reverses(component, patch, pinned_tree, tmp_path):
     tree = pinned_tree(component)
     # Apply the series up to this patch on a scratch copy of the files it touches, from a pristine sdist.
-    from kvstack.fetch import cached_sdist, extract_sdist
+    from kvstack.release.fetch import cached_sdist, extract_sdist
 
     pristine = tmp_path / "pristine"
     extract_sdist(cached_sdist(load_pin(component)), pristine)

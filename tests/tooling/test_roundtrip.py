@@ -8,8 +8,8 @@ import subprocess
 import pytest
 
 from kvtest import make_patch, run_script
-from kvstack.patchstack import read_series
-from kvstack.pins import COMPONENTS, load_pin
+from kvstack.release.patchstack import read_series
+from kvstack.release.pins import COMPONENTS, load_pin
 
 
 def _roundtrip(component, series_dir, tmp_path):

@@ -70,7 +70,7 @@ def describe(t, base_ptr: int) -> dict:
 def main(name: str, model_dir: str, out: str) -> None:
     install_overlay()
     sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
-    from kvstack.tiny_models import apply_engine_env, llm_kwargs
+    from kvstack.testbed.tiny_models import apply_engine_env, llm_kwargs
 
     apply_engine_env()
     import torch

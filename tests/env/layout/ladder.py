@@ -25,7 +25,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(REPO))
 
-from kvstack import overlay  # noqa: E402
+from kvstack.release import overlay  # noqa: E402
 
 SERIES_DIR = REPO / "patches" / "vllm"
 ISSUE = "3"

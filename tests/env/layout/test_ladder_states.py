@@ -1,6 +1,6 @@
-"""The series states the layout tests run on (ladder.state_root, kvstack/overlay.py), checked
+"""The series states the layout tests run on (ladder.state_root, kvstack/release/overlay.py), checked
 against the kvstack venv: taking the ladder out and putting it back gives the installed files
-byte for byte, both directions of kvstack.overlay.build_overlay agree, and the ladder is one
+byte for byte, both directions of kvstack.release.overlay.build_overlay agree, and the ladder is one
 run of patches/vllm/series (every patch of issue 3, nothing else) whose files no later patch
 touches."""
 

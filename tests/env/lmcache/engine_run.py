@@ -26,7 +26,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(REPO))
 
-from kvstack.tiny_models import apply_engine_env, llm_kwargs  # noqa: E402
+from kvstack.testbed.tiny_models import apply_engine_env, llm_kwargs  # noqa: E402
 
 
 class _Tap(logging.Handler):

@@ -32,7 +32,7 @@ PROMPT_EXT = PROMPT_A + [5, 6, 7, 8] * 10  # extends A by 40 tokens
 
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory):
-    from kvstack.tiny_models import make_model
+    from kvstack.testbed.tiny_models import make_model
 
     root = tmp_path_factory.mktemp("tiny-models")
     return lambda name: make_model(name, root / name)

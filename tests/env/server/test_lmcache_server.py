@@ -78,7 +78,7 @@ PROMPTS = {**GREEDY, **MIXED, **AFTER_400, **REPEAT}
 @pytest.fixture(scope="module")
 def reference():
     """Offline `LLM.generate`, same engine arguments, no KV connector."""
-    from kvstack.tiny_models import make_model
+    from kvstack.testbed.tiny_models import make_model
 
     make_model("qwen3next", ROOT / MODEL)
     run = OfflineRun("qwen3next-offline", "qwen3next", MODEL, list(PROMPTS.values()),

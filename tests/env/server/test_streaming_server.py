@@ -58,7 +58,7 @@ PROMPTS = {**GREEDY, **MIXED, **AFTER_400, **REUSE}
 @pytest.fixture(scope="module")
 def reference():
     """Offline `LLM.generate`, same engine arguments, no connector and enough device KV."""
-    from kvstack.tiny_models import make_model
+    from kvstack.testbed.tiny_models import make_model
 
     make_model("llama4", ROOT / MODEL)
     run = OfflineRun("llama4-offline", "llama4", MODEL, list(PROMPTS.values()),

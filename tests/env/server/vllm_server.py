@@ -36,7 +36,7 @@ PORT = "8000"
 LMCACHE_PORT = "65432"
 
 # The environment of every server command in the README (the Makefile's, plus the CPU engine's
-# speed-ups from kvstack.tiny_models.ENGINE_ENV, which do not change the tokens).
+# speed-ups from kvstack.testbed.tiny_models.ENGINE_ENV, which do not change the tokens).
 BASE_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
@@ -266,7 +266,7 @@ def lmcache_server(port: int):
 
 class OfflineRun:
     """Greedy tokens of `prompts` from `vllm.LLM` in a separate process (engine_run.py), with the
-    engine arguments of kvstack.tiny_models.llm_kwargs plus the given ones, no KV connector."""
+    engine arguments of kvstack.testbed.tiny_models.llm_kwargs plus the given ones, no KV connector."""
 
     def __init__(self, name: str, model: str, model_dir: str, prompts: list[list[int]], *,
                  max_tokens: int, max_model_len: int, max_num_batched_tokens: int,

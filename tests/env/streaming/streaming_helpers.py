@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstack.engine import shutdown_llm
+from kvstack.testbed.engine import shutdown_llm
 
 ROOT = Path(__file__).resolve().parents[3]
 SITE = ROOT / ".venv" / "lib" / "python3.11" / "site-packages"
@@ -53,7 +53,7 @@ def env(**kv):
 
 
 def tiny_model(name: str) -> Path:
-    from kvstack.tiny_models import make_model
+    from kvstack.testbed.tiny_models import make_model
 
     return Path(make_model(name, ROOT / "build" / "tiny-models" / name))
 
@@ -182,7 +182,7 @@ def sharp_llama4(dest: Path | None = None, **scales) -> Path:
 def make_llm_from(model_dir: Path, name: str = "llama4", *, streaming: dict | None = None,
                   **overrides):
     """`make_llm` for a model written elsewhere (e.g. `sharp_llama4()`), run like tiny `name`."""
-    from kvstack.tiny_models import llm_kwargs
+    from kvstack.testbed.tiny_models import llm_kwargs
     from vllm import LLM
 
     kw = llm_kwargs(name, model_dir, enable_prefix_caching=False, **overrides)

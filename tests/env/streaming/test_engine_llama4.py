@@ -48,7 +48,7 @@ def test_upstream_refuses_the_budget():
     code = textwrap.dedent(f"""
         import sys
         sys.path.insert(0, {str(ROOT / 'tests' / 'env' / 'streaming')!r})
-        from kvstack import tiny_models
+        from kvstack.testbed import tiny_models
         tiny_models.apply_engine_env()
         from streaming_helpers import make_llm
         try:

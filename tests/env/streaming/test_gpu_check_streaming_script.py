@@ -88,7 +88,7 @@ def test_sharpen_scales_only_the_nope_projections_and_lm_head(tmp_path):
     import torch
     from safetensors.torch import load_file
 
-    from kvstack.tiny_models import make_model
+    from kvstack.testbed.tiny_models import make_model
 
     mod = _module()
     base = make_model("llama4", tmp_path / "llama4")

@@ -156,7 +156,7 @@ def test_fp8_kv_cache_refused_at_start_up_on_the_engine():
     code = textwrap.dedent(f"""
         import sys
         sys.path.insert(0, {str(ROOT / 'tests' / 'env' / 'streaming')!r})
-        from kvstack import tiny_models
+        from kvstack.testbed import tiny_models
         tiny_models.apply_engine_env()
         from streaming_helpers import make_llm
         try:
@@ -181,7 +181,7 @@ def test_a_device_budget_too_small_names_the_minimum_and_the_minimum_starts():
     code = textwrap.dedent(f"""
         import sys
         sys.path.insert(0, {str(ROOT / 'tests' / 'env' / 'streaming')!r})
-        from kvstack import tiny_models
+        from kvstack.testbed import tiny_models
         tiny_models.apply_engine_env()
         from streaming_helpers import close, make_llm
         for blocks in (8, 36, 37):

@@ -33,7 +33,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvstack.pins import COMPONENTS, load_pin
+from kvstack.release.pins import COMPONENTS, load_pin
 
 EXIT_OK, EXIT_FAILS, EXIT_USAGE, EXIT_VERSION = 0, 1, 2, 3
 APPLIES, OFFSET, ALREADY, FAILS = "applies", "applies with offset", "already applied", "fails"
@@ -356,7 +356,7 @@ exit codes:
             if not args.check and not args.series_dir and _stale_stack(tree, c):
                 # The tree carries an older version of the stack (kvstack was updated since the
                 # last apply): start again from the verified sdist, as a fresh clone would.
-                from kvstack.fetch import fetch
+                from kvstack.release.fetch import fetch
 
                 print(f"note: {tree} carries an older patch stack; unpacking the pinned sdist again")
                 fetch(load_pin(c), force=True)

@@ -13,8 +13,8 @@ import importlib.util
 import sys
 from pathlib import Path
 
-from kvstack.patchstack import ALREADY, NOT_INSTALLED, PACKAGE, base_version, files_not_applied, plan_series, read_series
-from kvstack.pins import COMPONENTS, load_pin
+from kvstack.release.patchstack import ALREADY, NOT_INSTALLED, PACKAGE, base_version, files_not_applied, plan_series, read_series
+from kvstack.release.pins import COMPONENTS, load_pin
 
 
 def installed_version(*dists: str) -> tuple[str, str] | None:

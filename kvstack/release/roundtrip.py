@@ -26,9 +26,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kvstack.fetch import cached_sdist, extract_sdist
-from kvstack.patchstack import read_series
-from kvstack.pins import COMPONENTS, load_pin
+from kvstack.release.fetch import cached_sdist, extract_sdist
+from kvstack.release.patchstack import read_series
+from kvstack.release.pins import COMPONENTS, load_pin
 
 BASE_TAG = "kvstack-base"
 FORMAT_PATCH = ["format-patch", "--zero-commit", "--full-index", "--no-signature", "--no-renames",

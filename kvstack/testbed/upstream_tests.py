@@ -20,7 +20,7 @@ How it stays honest:
   (``hub/models--ORG--NAME/refs/main`` + ``snapshots/<sha>/config.json``); ``HF_HUB_OFFLINE=1`` and an
   unreachable ``HF_ENDPOINT`` make any download attempt fail instead of reaching a hub.
 * Outcomes are recorded by exact pytest node id (this module is also the pytest plugin, loaded with
-  ``-p kvstack.upstream_tests``); a junit xml report is written next to them for CI.
+  ``-p kvstack.testbed.upstream_tests``); a junit xml report is written next to them for CI.
 
 Ledger format (one entry per line, ``#`` starts the reason)::
 
@@ -46,7 +46,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 LEDGER = REPO_ROOT / "ci" / "upstream" / "expected-failures.txt"
 HUB_SOURCE = REPO_ROOT / "ci" / "upstream" / "hub"
 WORK_DIR = REPO_ROOT / "build" / "upstream-tests"
@@ -72,7 +72,7 @@ PASSED, FAILED, SKIPPED, XFAILED = "passed", "failed", "skipped", "xfailed"
 
 
 # --------------------------------------------------------------------------------------------
-# The pytest plugin half: loaded inside the test run with `-p kvstack.upstream_tests`.
+# The pytest plugin half: loaded inside the test run with `-p kvstack.testbed.upstream_tests`.
 # It writes one JSON line per node id with its final outcome, plus a last line naming where
 # vllm was imported from. Nothing here runs unless RESULTS_ENV is set.
 # --------------------------------------------------------------------------------------------
@@ -268,7 +268,7 @@ def compare(results: list[dict], ledger: list[LedgerEntry], selection: list[str]
 
 def stage_tests(work: Path, source_tests: Path | None = None) -> Path:
     """Copy the sdist's tests/ to work/tests (fresh) and write a pytest.ini; returns work."""
-    from kvstack.pins import load_pin
+    from kvstack.release.pins import load_pin
 
     src = source_tests or (load_pin("vllm").tree / "tests")
     if not (src / "conftest.py").is_file():
@@ -292,7 +292,7 @@ def stage_tests(work: Path, source_tests: Path | None = None) -> Path:
     if pyproject.is_file() and tomllib is not None:
         ini = tomllib.loads(pyproject.read_text()).get("tool", {}).get("pytest", {}).get("ini_options", {})
         markers = list(ini.get("markers", []))
-    text = "[pytest]\n# written by kvstack.upstream_tests; markers copied from the sdist's pyproject.toml\n"
+    text = "[pytest]\n# written by kvstack.testbed.upstream_tests; markers copied from the sdist's pyproject.toml\n"
     if markers:
         text += "markers =\n" + "".join(f"    {m}\n" for m in markers)
     (work / "pytest.ini").write_text(text)
@@ -334,7 +334,7 @@ def child_env(work: Path, results: Path) -> dict[str, str]:
     # upstream's tests run with it), then set ours.
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(INHERIT_NOT) and k not in ("PYTHONPATH", "PYTHONHOME")}
-    # kvstack itself (for `-p kvstack.upstream_tests`), without putting the repo root on the path
+    # kvstack itself (for `-p kvstack.testbed.upstream_tests`), without putting the repo root on the path
     # (its vllm/ directory must never look like a package to the test run).
     shim = work / "pypath"
     shim.mkdir(parents=True, exist_ok=True)
@@ -392,7 +392,7 @@ def run_suite(paths: list[str] | None = None, *, python: str | Path | None = Non
     results_path, junit, log = work / "results.jsonl", work / "junit.xml", work / "pytest.log"
     for p in (results_path, junit):
         p.unlink(missing_ok=True)
-    cmd = [str(python), "-m", "pytest", "-p", "no:cacheprovider", "-p", "kvstack.upstream_tests",
+    cmd = [str(python), "-m", "pytest", "-p", "no:cacheprovider", "-p", "kvstack.testbed.upstream_tests",
            f"--junitxml={junit}", f"--timeout={timeout}", f"--basetemp={work / 'tmp'}",
            "--continue-on-collection-errors", "-q", "-rN", "--color=no", *paths]
     if keyword:

@@ -22,7 +22,7 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from kvstack.pins import COMPONENTS, Pin, cache_dir, load_pin
+from kvstack.release.pins import COMPONENTS, Pin, cache_dir, load_pin
 
 STAMP = ".kvstack-fetched"
 EXIT_OK, EXIT_MISMATCH, EXIT_DOWNLOAD = 0, 3, 4

@@ -1,6 +1,6 @@
 """`kvstack demo`: what kvstack adds to vLLM, side by side with upstream vLLM in the same run.
 
-Two comparisons on the CPU engine with tiny random-weight models (kvstack.tiny_models), each engine
+Two comparisons on the CPU engine with tiny random-weight models (kvstack.testbed.tiny_models), each engine
 in its own process:
 
 1. Streaming attention + KV paging (tiny Llama-4). A long prompt at a device KV budget where
@@ -12,7 +12,7 @@ in its own process:
    hybrid model (its error is quoted too).
 
 "Upstream" is, by default, the installed vLLM with kvstack's vLLM patch series taken out again: an
-overlay (kvstack/overlay.py) of the files the series touches, with every patch reversed, put in front
+overlay (kvstack/release/overlay.py) of the files the series touches, with every patch reversed, put in front
 of the installed package in the upstream processes. Where that overlay cannot be built,
 `--upstream installed` (the fallback, said so in the output) runs the installed, patched vLLM
 without any KV connector: kvstack's vLLM patches do nothing without one.
@@ -38,8 +38,8 @@ import textwrap
 import time
 from pathlib import Path
 
-from kvstack import tiny_models
-from kvstack.engine import track_peak_device_blocks
+from kvstack.testbed import tiny_models
+from kvstack.testbed.engine import track_peak_device_blocks
 
 DEFAULT_MAX_TOKENS = 16
 DEFAULT_WORK = Path("build") / "demo"
@@ -86,7 +86,7 @@ def prompt_ids(n: int, salt: int = 0) -> list[int]:
 def _child(spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     out = Path(spec["out"])
-    from kvstack import overlay
+    from kvstack.release import overlay
 
     overlaid = overlay.install()  # $KVSTACK_OVERLAY: the upstream side
     tiny_models.apply_engine_env()
@@ -207,7 +207,7 @@ class Runner:
         t0 = time.perf_counter()
         with open(log, "w") as fh:
             try:
-                proc = subprocess.run([sys.executable, "-m", "kvstack.demo", "--child", str(spec_path)],
+                proc = subprocess.run([sys.executable, "-m", "kvstack.testbed.demo", "--child", str(spec_path)],
                                       stdout=fh, stderr=subprocess.STDOUT, env=child_env,
                                       timeout=CHILD_TIMEOUT_S)
                 code = str(proc.returncode)
@@ -240,8 +240,8 @@ def _short(text: str, width: int) -> str:
 
 def build_upstream_overlay(work: Path) -> tuple[Path | None, str]:
     """The overlay with kvstack's vLLM series taken out; (folder, description) or (None, why not)."""
-    from kvstack import overlay
-    from kvstack.pins import load_pin
+    from kvstack.release import overlay
+    from kvstack.release.pins import load_pin
 
     spec = importlib.util.find_spec("vllm")
     if spec is None or not spec.submodule_search_locations:

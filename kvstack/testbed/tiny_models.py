@@ -159,8 +159,9 @@ MODELS: dict[str, TinyModel] = {
             head_dim=32,
             linear_num_key_heads=2,
             linear_num_value_heads=4,
-            linear_key_head_dim=32,
-            linear_value_head_dim=32,
+            # 64: vLLM 0.32's CPU gated delta-net kernel takes no smaller head (0.25's takes 32 too).
+            linear_key_head_dim=64,
+            linear_value_head_dim=64,
             linear_conv_kernel_dim=4,
             num_experts=2,
             num_experts_per_tok=1,
@@ -189,7 +190,23 @@ def llm_kwargs(name: str, model_dir: str | os.PathLike[str], **overrides: Any) -
     )
     kwargs.update(spec.engine)
     kwargs.update(overrides)
+    if "block_size" in kwargs:
+        kwargs["block_size"] = cpu_block_size(kwargs["block_size"])
     return kwargs
+
+
+def cpu_block_size(block_size: int | None) -> int | None:
+    """Version switch (vLLM >= 0.32): the CPU attention backend takes block sizes that are
+    multiples of 32 only ("No common block size for 16 (CPU_ATTN: [MultipleOf(32)])"), so a
+    smaller one is rounded up there; on 0.25 every size is kept as written."""
+    if block_size is None or block_size % 32 == 0:
+        return block_size
+    try:
+        import vllm
+    except ImportError:
+        return block_size
+    major_minor = tuple(int(x) for x in vllm.__version__.split(".")[:2])
+    return -(-block_size // 32) * 32 if major_minor >= (0, 32) else block_size
 
 
 def apply_engine_env(environ: dict[str, str] | None = None) -> dict[str, str]:

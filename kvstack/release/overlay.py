@@ -122,6 +122,6 @@ def install(root: str | os.PathLike[str] | None = None) -> bool:
     if not root:
         return False
     if any(m == "vllm" or m.startswith("vllm.") for m in sys.modules):
-        raise RuntimeError("kvstack.overlay.install() must run before vLLM is imported")
+        raise RuntimeError("kvstack.release.overlay.install() must run before vLLM is imported")
     sys.meta_path.insert(0, _Finder(Path(root)))
     return True
