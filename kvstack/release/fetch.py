@@ -22,7 +22,7 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from kvstack.release.pins import COMPONENTS, Pin, cache_dir, load_pin
+from kvstack.release.pins import COMPONENTS, Pin, base_names, cache_dir, default_base, load_pin
 
 STAMP = ".kvstack-fetched"
 EXIT_OK, EXIT_MISMATCH, EXIT_DOWNLOAD = 0, 3, 4
@@ -160,21 +160,29 @@ def fetch(pin: Pin, sdist: Path | None = None, force: bool = False) -> Path:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="scripts/fetch_sources.sh",
-        description="Download the pinned upstream sdists (cached), verify sha256, unpack beside their pin.",
+        description="Download a base's pinned upstream sdists (cached), verify sha256, unpack them into "
+        "upstream/<base>/<component>.",
         epilog=f"Exit codes: {EXIT_OK} ok, {EXIT_MISMATCH} sha256 mismatch (nothing unpacked), "
         f"{EXIT_DOWNLOAD} download/index error, 2 usage.",
     )
     parser.add_argument("components", nargs="*", choices=[[], *COMPONENTS], default=[],
                         help="components to fetch (default: all)")
+    parser.add_argument("--base", choices=base_names(), action="append",
+                        help="which base (repeat for several; default $KVSTACK_BASE or bases/default)")
+    parser.add_argument("--all-bases", action="store_true", help="fetch the sdists of every base")
     parser.add_argument("--sdist", type=Path, help="verify and unpack this local file instead of the cached download")
     parser.add_argument("--force", action="store_true", help="unpack again even if the tree is already there")
     args = parser.parse_args(argv)
     components = args.components or list(COMPONENTS)
     if args.sdist and len(components) != 1:
         parser.error("--sdist needs exactly one component")
+    bases = base_names() if args.all_bases else (args.base or [default_base()])
+    if args.sdist and len(bases) != 1:
+        parser.error("--sdist needs exactly one base")
     try:
-        for comp in components:
-            fetch(load_pin(comp), sdist=args.sdist, force=args.force)
+        for base in bases:
+            for comp in components:
+                fetch(load_pin(comp, base), sdist=args.sdist, force=args.force)
     except FetchError as err:
         print(f"error: {err}", file=sys.stderr)
         return err.exit_code

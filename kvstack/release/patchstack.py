@@ -33,7 +33,8 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvstack.release.pins import COMPONENTS, load_pin
+from kvstack.release.pins import (COMPONENTS, base_for_versions, base_names, bases_summary, default_base, load_base,
+                                  load_pin, release_of)
 
 EXIT_OK, EXIT_FAILS, EXIT_USAGE, EXIT_VERSION = 0, 1, 2, 3
 APPLIES, OFFSET, ALREADY, FAILS = "applies", "applies with offset", "already applied", "fails"
@@ -178,19 +179,19 @@ def plan_series(component: str, patches: list[Path], target: Path, installed_onl
 APPLIED_STAMP = ".kvstack-applied"  # in a fetched tree: digest of the stack applied to it
 
 
-def stack_digest(component: str) -> str:
+def stack_digest(component: str, base: str | None = None) -> str:
     """sha256 over the component's series: each patch's name and bytes, in order."""
     import hashlib
 
     h = hashlib.sha256()
-    for patch in read_series(load_pin(component).series_dir):
+    for patch in read_series(load_pin(component, base).series_dir):
         h.update(patch.name.encode() + b"\0" + patch.read_bytes() + b"\0")
     return h.hexdigest()
 
 
-def _stale_stack(tree: Path, component: str) -> bool:
+def _stale_stack(tree: Path, component: str, base: str | None = None) -> bool:
     stamp = tree / APPLIED_STAMP
-    return stamp.is_file() and stamp.read_text().strip() != stack_digest(component)
+    return stamp.is_file() and stamp.read_text().strip() != stack_digest(component, base)
 
 
 def _applied_under_later(scratch: Path, files: list[str], rest: list[Path],
@@ -295,36 +296,56 @@ def target_version(component: str, target: Path, installed: bool) -> str | None:
     return None
 
 
-def base_version(version: str | None) -> str | None:
-    """0.25.1+cpu / 0.25.1.dev3 -> 0.25.1."""
-    if version is None:
-        return None
-    m = re.match(r"\d+(\.\d+)*", version)
-    return m.group(0) if m else version
+base_version = release_of  # 0.25.1+cpu / 0.25.1.dev3 -> 0.25.1
+
+
+def choose_base(requested: str | None, found: dict[str, str | None], any_version: bool) -> tuple[str | None, str]:
+    """The base whose series to apply to a target holding `found` (component -> version).
+    Returns (base, "") or (None, error message): a named base must match the target's versions,
+    an unnamed one is the base whose pins match them; --any-version takes the named or default base."""
+    have = ", ".join(f"{c} {v}" for c, v in found.items() if v) or "no known version"
+    if requested:
+        pins = load_base(requested).pins
+        wrong = [c for c, v in found.items() if v and release_of(v) != pins[c].version]
+        if wrong and not any_version:
+            return None, (f"the target holds {have}; base {load_base(requested).label} pins "
+                          f"{', '.join(f'{c} {pins[c].version}' for c in wrong)} (pass --any-version to try anyway)")
+        return requested, ""
+    match = base_for_versions(found)
+    if match:
+        return match.name, ""
+    if any_version:
+        return default_base(), ""
+    return None, (f"the target holds {have}: no base covers it. The bases are: {bases_summary()}. "
+                  "Install one of those pairs, or name a base with --base NAME --any-version to try its series")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="scripts/apply_patches.sh",
-        description="Apply patches/<component>/series, all-or-nothing, to the fetched trees "
-        "(default), an upstream checkout (--target) or an installed site-packages (--site-packages).",
+        description="Apply a base's patches/<base>/<component>/series, all-or-nothing, to its fetched trees "
+        "(default), an upstream checkout (--target) or an installed site-packages (--site-packages). "
+        f"Bases: {bases_summary()}.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="""Each patch is reported as: applies / applies with offset / already applied / fails (file, hunk).
+        epilog="""Which base: --base NAME; else, for --target / --site-packages, the base whose pins equal the
+target's vLLM and LMCache versions; else $KVSTACK_BASE or bases/default (for the fetched trees).
+Each patch is reported as: applies / applies with offset / already applied / fails (file, hunk).
 If any patch fails, nothing is written. Running it twice is a no-op (every patch: already applied).
 
 exit codes:
   0  every patch applied or already applied (with --check: would apply)
   1  a patch fails to apply; the target was left untouched
-  2  usage error (unknown target, component not found)
-  3  the target's upstream version differs from the pin; the target was left untouched
-     (pass --any-version to apply anyway, e.g. to try a newer release)""",
+  2  usage error (unknown target, component not found, unknown base)
+  3  no base covers the target's versions, or they differ from the named base's pins; nothing
+     was tried and the target was left untouched (--any-version tries anyway, e.g. a newer release)""",
     )
     where = parser.add_mutually_exclusive_group()
     where.add_argument("--target", type=Path, help="an upstream source tree or git checkout (sdist layout)")
     where.add_argument("--site-packages", type=Path, help="a site-packages dir with vLLM and/or LMCache installed")
+    parser.add_argument("--base", choices=base_names(), help="the base whose series to apply (default: see below)")
     parser.add_argument("--component", choices=COMPONENTS, action="append",
                         help="which series to apply (default: all that the target has)")
-    parser.add_argument("--series-dir", type=Path, help="use this folder's series instead of patches/<component>/")
+    parser.add_argument("--series-dir", type=Path, help="use this folder's series instead of patches/<base>/<component>/")
     parser.add_argument("--check", action="store_true", help="report only; change nothing")
     parser.add_argument("--no-commit", action="store_true", help="on a git checkout, write files instead of git am")
     parser.add_argument("--any-version", action="store_true", help="do not refuse a target of another version")
@@ -344,22 +365,33 @@ exit codes:
             print(f"error: {root} has no {' or '.join(missing or COMPONENTS)} package", file=sys.stderr)
             return EXIT_USAGE
         targets = {c: root for c in components}
+        found = {c: target_version(c, root, installed) for c in components}
+        base, why = choose_base(args.base, found, args.any_version)
+        if base is None:
+            print(f"error: {why}; nothing was changed", file=sys.stderr)
+            return EXIT_VERSION
     else:
+        try:
+            base = args.base or default_base()
+        except ValueError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return EXIT_USAGE
         components = args.component or list(COMPONENTS)
         targets = {}
         for c in components:
-            tree = load_pin(c).tree
+            tree = load_pin(c, base).tree
             if not tree.is_dir():
-                print(f"error: {tree} does not exist; run scripts/fetch_sources.sh first", file=sys.stderr)
+                print(f"error: {tree} does not exist; run scripts/fetch_sources.sh --base {base} first",
+                      file=sys.stderr)
                 return EXIT_USAGE
             targets[c] = tree
-            if not args.check and not args.series_dir and _stale_stack(tree, c):
+            if not args.check and not args.series_dir and _stale_stack(tree, c, base):
                 # The tree carries an older version of the stack (kvstack was updated since the
                 # last apply): start again from the verified sdist, as a fresh clone would.
                 from kvstack.release.fetch import fetch
 
                 print(f"note: {tree} carries an older patch stack; unpacking the pinned sdist again")
-                fetch(load_pin(c), force=True)
+                fetch(load_pin(c, base), force=True)
     if args.series_dir and len(components) != 1:
         parser.error("--series-dir needs exactly one component")
 
@@ -367,19 +399,20 @@ exit codes:
     rc = EXIT_OK
     try:
         for comp in components:
-            pin = load_pin(comp)
+            pin = load_pin(comp, base)
             patches = read_series(args.series_dir or pin.series_dir)
             plan = plan_series(comp, patches, targets[comp], installed_only=installed)
             plans.append(plan)
-            found = target_version(comp, targets[comp], installed)
-            print(f"== {comp} {found or '(version unknown)'} at {targets[comp]}: {len(patches)} patch(es)")
+            found_version = target_version(comp, targets[comp], installed)
+            print(f"== {comp} {found_version or '(version unknown)'} at {targets[comp]}: "
+                  f"{len(patches)} patch(es) of base {base}")
             for res in plan.results:
                 if not args.quiet or res.state == FAILS:
                     print(f"  {res.line()}")
             if not plan.ok:
                 rc = EXIT_FAILS
-            elif base_version(found) != pin.version and not args.any_version and rc == EXIT_OK:
-                print(f"error: {comp} at {targets[comp]} is version {found}, the pin is {pin.version} "
+            elif release_of(found_version) != pin.version and not args.any_version and rc == EXIT_OK:
+                print(f"error: {comp} at {targets[comp]} is version {found_version}, base {base} pins {pin.version} "
                       "(pass --any-version to try anyway)", file=sys.stderr)
                 rc = EXIT_VERSION
         if rc != EXIT_OK:
@@ -393,10 +426,10 @@ exit codes:
             use_git = bool(args.target) and not args.no_commit and _is_clean_git_checkout(plan.target)
             commit_plan(plan, use_git)
             if not (args.target or installed or args.series_dir):
-                (plan.target / APPLIED_STAMP).write_text(stack_digest(plan.component) + "\n")
+                (plan.target / APPLIED_STAMP).write_text(stack_digest(plan.component, base) + "\n")
         applied = sum(r.state in (APPLIES, OFFSET) for p in plans for r in p.results)
         already = sum(r.state == ALREADY for p in plans for r in p.results)
-        print(f"applied {applied} patch(es), {already} already applied")
+        print(f"applied {applied} patch(es), {already} already applied (base {base})")
         return EXIT_OK
     finally:
         for plan in plans:

@@ -50,8 +50,9 @@ def test_stack_on_another_release_fails_and_leaves_tree_identical(other_tree, pi
 
     before = tree_digest(other_tree)
     for extra in (["--check"], []):
+        # --any-version: try the series on a release no base covers (without it: exit 3, below)
         res = run_script("apply_patches.sh", *extra, "--target", other_tree, "--component", "vllm",
-                         "--series-dir", series)
+                         "--series-dir", series, "--base", load_pin("vllm").base, "--any-version")
         assert res.returncode == 1, res.stdout + res.stderr
         failing = [ln for ln in res.stdout.splitlines() if ": fails" in ln]
         assert failing, res.stdout
@@ -62,8 +63,19 @@ def test_stack_on_another_release_fails_and_leaves_tree_identical(other_tree, pi
 
 
 def test_version_mismatch_alone_is_refused(other_tree):
-    # The real stack, which may well apply to 0.26.0: the version check still refuses, untouched.
+    # A release no base covers: exit 3 before any patch is tried, naming the bases; untouched.
     before = tree_digest(other_tree)
     res = run_script("apply_patches.sh", "--target", other_tree, "--component", "vllm")
-    assert res.returncode != 0
+    assert res.returncode == 3, res.stdout + res.stderr
+    assert f"vllm {OTHER}: no base covers it" in res.stderr
+    assert "0.25 (vLLM 0.25.1 + LMCache 0.5.3)" in res.stderr and "0.32 (vLLM 0.32.0" in res.stderr
+    assert ": applies" not in res.stdout and ": fails" not in res.stdout, "nothing is tried"
+    assert tree_digest(other_tree) == before
+
+
+def test_named_base_of_other_versions_is_refused(other_tree):
+    before = tree_digest(other_tree)
+    res = run_script("apply_patches.sh", "--target", other_tree, "--component", "vllm", "--base", "0.25")
+    assert res.returncode == 3, res.stdout + res.stderr
+    assert f"the target holds vllm {OTHER}; base 0.25" in res.stderr and "pins vllm 0.25.1" in res.stderr
     assert tree_digest(other_tree) == before

@@ -1,4 +1,4 @@
-"""Probe for patches/lmcache/0003-kvstack-local-disk-backend-index-chunk-files-left-by.patch.
+"""Probe for patches/0.25/lmcache/0003-kvstack-local-disk-backend-index-chunk-files-left-by.patch.
 
 Upstream is "already there" when LMCache's LocalDiskBackend finds chunk files written by an
 earlier process by itself (LMCache#1175): its class then lists its folder (os.listdir / os.scandir /

@@ -1,4 +1,4 @@
-"""Probe for patches/vllm/0001-kvstack-merge_attn_states-torch-fallback-for-platfor.patch.
+"""Probe for patches/0.25/vllm/0001-kvstack-merge_attn_states-torch-fallback-for-platfor.patch.
 
 Upstream is "already there" when merge_attn_states() dispatches to a torch merge on the CPU
 platform (vllm-project/vllm#51471, first released in 0.29.0): the patch then conflicts in

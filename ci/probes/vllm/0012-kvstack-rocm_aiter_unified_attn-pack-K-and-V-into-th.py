@@ -1,4 +1,4 @@
-"""Probe for patches/vllm/0012-kvstack-rocm_aiter_unified_attn-pack-K-and-V-into-th.patch.
+"""Probe for patches/0.25/vllm/0012-kvstack-rocm_aiter_unified_attn-pack-K-and-V-into-th.patch.
 
 Upstream is "already there" when the release has 2/N (vllm-project/vllm#44455, first released in 0.26.0): the attention backends' caches
 are packed `(num_blocks, num_kv_heads, block_size, 2*head_size)`.

@@ -1,4 +1,4 @@
-"""Probe for patches/vllm/0014-kvstack-bind_kv_cache-one-KV-cache-tensor-per-layer-.patch.
+"""Probe for patches/0.25/vllm/0014-kvstack-bind_kv_cache-one-KV-cache-tensor-per-layer-.patch.
 
 Upstream is "already there" when the release has 3/N (vllm-project/vllm#44456, first released in 0.27.0): `AttentionLayerBase.bind_kv_cache`
 and no `get_transfer_cache_regions`.

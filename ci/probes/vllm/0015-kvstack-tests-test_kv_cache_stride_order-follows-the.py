@@ -1,4 +1,4 @@
-"""Probe for patches/vllm/0015-kvstack-tests-test_kv_cache_stride_order-follows-the.patch.
+"""Probe for patches/0.25/vllm/0015-kvstack-tests-test_kv_cache_stride_order-follows-the.patch.
 
 Upstream is "already there" when the release has 2/N (vllm-project/vllm#44455, first released in 0.26.0): the attention backends' caches
 are packed `(num_blocks, num_kv_heads, block_size, 2*head_size)`.

@@ -27,7 +27,8 @@ sys.path.insert(0, str(REPO))
 
 from kvstack.release import overlay  # noqa: E402
 
-SERIES_DIR = REPO / "patches" / "vllm"
+# The ladder is a backport: only base 0.25 carries it (vLLM 0.27+ has it upstream).
+SERIES_DIR = REPO / "patches" / "0.25" / "vllm"
 ISSUE = "3"
 
 

@@ -13,7 +13,9 @@ PATCH_GLOB = "*kv_connector-streaming-attention-and-KV-pagi*.patch"
 
 def _patches():
     """The hooks patch: in the integrated series (patches/vllm/) or its build folder."""
-    for d in (ROOT / "patches" / "vllm",):
+    from kvstack.release.pins import load_pin
+
+    for d in (load_pin("vllm").series_dir,):
         found = sorted(d.glob(PATCH_GLOB))
         if found:
             return found
@@ -32,7 +34,7 @@ def test_series_has_one_patch_with_trailers():
 def test_hooks_are_applied():
     from streaming_helpers import hooks_applied
 
-    assert hooks_applied(), "patches/vllm 0002 (streaming hooks) is not applied to this vLLM: run `make env`"
+    assert hooks_applied(), "the streaming hooks patch is not applied to this vLLM: run `make env`"
 
 
 @needs_hooks
