@@ -13,7 +13,7 @@ def main(argv: list[str] | None = None) -> int:
         "fetch": ("download, verify and unpack the pinned sdists", "kvstack.release.fetch"),
         "apply": ("apply the patch stack (see scripts/apply_patches.sh --help)", "kvstack.release.patchstack"),
         "upstream-status": ("propose each patch's Upstream-Status / Drop-When from the regression matrix",
-                            "kvstack.upstream_status"),
+                            "kvstack.matrix.upstream_status"),
         "tiny-models": ("make the tiny random-weight test models locally", "kvstack.testbed.tiny_models"),
         "demo": ("run a short generation through the patched CPU engine", "kvstack.testbed.demo"),
     }

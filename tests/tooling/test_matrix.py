@@ -1,4 +1,4 @@
-"""The regression matrix (ci/run_matrix.py, kvstack/matrix.py) and `kvstack upstream-status`.
+"""The regression matrix (ci/run_matrix.py, the kvstack/matrix/ package) and `kvstack upstream-status`.
 
 No venv and no network: fake releases are small sdists written into a temporary
 KVSTACK_CACHE, with their sha256 in a temporary matrix.toml. The real pinned sdists are
@@ -21,7 +21,7 @@ import pytest
 from kvtest import REPO, make_patch
 
 from kvstack import matrix as M
-from kvstack import upstream_status as U
+from kvstack.matrix import upstream_status as U
 from kvstack.release.patchstack import read_series
 from kvstack.release.pins import COMPONENTS, cache_dir, load_pin
 
@@ -55,12 +55,16 @@ def make_sdist(dest: Path, project: str, version: str, files: dict[str, str]) ->
     return path
 
 
+FAKE_BASE = "0.1"
+
+
 @pytest.fixture
 def fake_repo(tmp_path, monkeypatch):
-    """A kvstack checkout with fake pins (vllm 0.1.0, lmcache 1.0.0), a matrix.toml, cached fake sdists."""
+    """A kvstack checkout with one fake base 0.1 (vllm 0.1.0, lmcache 1.0.0), a matrix.toml, cached fake sdists."""
     root = tmp_path / "repo"
     cache = tmp_path / "cache"
     monkeypatch.setenv("KVSTACK_CACHE", str(cache))
+    monkeypatch.delenv("KVSTACK_BASE", raising=False)
     sdists = cache / "sdists"
     vers = {"vllm": ["0.1.0", "0.2.0", "0.3.0"], "lmcache": ["1.0.0", "1.1.0"]}
     digests = {}
@@ -71,14 +75,15 @@ def fake_repo(tmp_path, monkeypatch):
         body = "a = 1\nb = 2\n" if v == "1.0.0" else "a = 1\nb = 2\nc = 3\n"
         p = make_sdist(sdists, "lmcache", v, {"lmcache/__init__.py": "", "lmcache/core.py": body})
         digests[p.name] = M.sha256_of(p)
+    (root / "bases" / FAKE_BASE).mkdir(parents=True)
+    (root / "bases" / "default").write_text(FAKE_BASE + "\n")
     for comp in COMPONENTS:
         pin = vers[comp][0]
-        (root / comp).mkdir(parents=True)
-        (root / comp / "pin.env").write_text(
+        (root / "bases" / FAKE_BASE / f"{comp}.env").write_text(
             f"PROJECT={comp}\nVERSION={pin}\nSDIST={comp}-{pin}.tar.gz\n"
             f"SDIST_SHA256={digests[f'{comp}-{pin}.tar.gz']}\n")
-        (root / "patches" / comp).mkdir(parents=True)
-        (root / "patches" / comp / "series").write_text("# fixture series\n")
+        (root / "patches" / FAKE_BASE / comp).mkdir(parents=True)
+        (root / "patches" / FAKE_BASE / comp / "series").write_text("# fixture series\n")
     (root / "ci" / "probes").mkdir(parents=True)
     toml = ['suites = ["apply", "unit", "e2e-cpu", "gpu"]', "",
             "[vllm]", 'releases = ["0.1.0", "0.3.0", "0.2.0"]', "",
@@ -88,8 +93,8 @@ def fake_repo(tmp_path, monkeypatch):
     return root
 
 
-def add_patch(root: Path, comp: str, name: str, text: str) -> Path:
-    d = root / "patches" / comp
+def add_patch(root: Path, comp: str, name: str, text: str, base: str = FAKE_BASE) -> Path:
+    d = root / "patches" / base / comp
     (d / name).write_text(text)
     with open(d / "series", "a") as fh:
         fh.write(name + "\n")
@@ -128,7 +133,7 @@ def run(root: Path, *args: str) -> subprocess.CompletedProcess:
 
 
 def series_of(root: Path) -> dict:
-    return {c: read_series(root / "patches" / c) for c in COMPONENTS}
+    return {c: read_series(root / "patches" / FAKE_BASE / c) for c in COMPONENTS}
 
 
 def matrix(root: Path, suites=("apply",), results=()) -> dict:
@@ -161,7 +166,8 @@ def test_adding_a_release_is_one_line(tmp_path, monkeypatch):
     assert config.releases["vllm"][-1] == "0.34.0"
     # unlisted pins are still checked, and order in the file does not matter
     (tmp_path / "m2.toml").write_text('[vllm]\nreleases = ["0.33.0", "0.26.0"]\n')
-    assert M.load_config(tmp_path / "m2.toml").releases["vllm"] == ["0.25.1", "0.26.0", "0.33.0"]
+    # (every base's pin: 0.25.1 of base 0.25 and 0.32.0 of base 0.32)
+    assert M.load_config(tmp_path / "m2.toml").releases["vllm"] == ["0.25.1", "0.26.0", "0.32.0", "0.33.0"]
 
 
 # --------------------------------------------------------------------------- the apply suite
@@ -170,7 +176,7 @@ def test_adding_a_release_is_one_line(tmp_path, monkeypatch):
 def test_apply_states_per_release_and_patch(fake_repo, tmp_path):
     stack(fake_repo, tmp_path)
     doc = matrix(fake_repo)
-    v = doc["apply"]["vllm"]
+    v = doc["apply"][FAKE_BASE]["vllm"]
     assert v["0001-pack.patch"]["0.1.0"]["state"] == M.S_APPLIES
     assert v["0001-pack.patch"]["0.2.0"] == {"state": M.S_UPSTREAM, "detail": "", "how": "reverse-applies", "note": ""}
     assert v["0001-pack.patch"]["0.3.0"]["state"] == M.S_UPSTREAM
@@ -183,21 +189,21 @@ def test_apply_states_per_release_and_patch(fake_repo, tmp_path):
     assert conflict["state"] == M.S_CONFLICTS
     assert "vllm/attn.py hunk #1" in conflict["detail"], conflict
     assert all(v["0003-init.patch"][r]["state"] == M.S_APPLIES for r in ("0.1.0", "0.2.0", "0.3.0"))
-    assert doc["apply"]["lmcache"]["0001-core.patch"]["1.0.0"]["state"] == M.S_APPLIES
-    assert doc["apply"]["lmcache"]["0001-core.patch"]["1.1.0"]["state"] == M.S_APPLIES
+    assert doc["apply"][FAKE_BASE]["lmcache"]["0001-core.patch"]["1.0.0"]["state"] == M.S_APPLIES
+    assert doc["apply"][FAKE_BASE]["lmcache"]["0001-core.patch"]["1.1.0"]["state"] == M.S_APPLIES
     assert doc["problems"] == [] and M.exit_code(doc) == 0
     assert [r["version"] for r in doc["releases"]["vllm"]] == ["0.1.0", "0.2.0", "0.3.0"]
 
 
 def test_without_probe_a_reworked_upstream_change_is_a_conflict(fake_repo, tmp_path):
     stack(fake_repo, tmp_path, probe=False)
-    cell = matrix(fake_repo)["apply"]["vllm"]["0001-pack.patch"]["0.3.0"]
+    cell = matrix(fake_repo)["apply"][FAKE_BASE]["vllm"]["0001-pack.patch"]["0.3.0"]
     assert cell["state"] == M.S_CONFLICTS and "vllm/attn.py hunk #1" in cell["detail"]
 
 
 def test_empty_series(fake_repo):
     doc = matrix(fake_repo)
-    assert doc["apply"] == {"vllm": {}, "lmcache": {}}
+    assert doc["apply"] == {FAKE_BASE: {"vllm": {}, "lmcache": {}}}
     assert M.exit_code(doc) == 0
     out = M.render_terminal(doc)
     assert "(empty series)" in out and "the pinned cells are clean" in out
@@ -218,9 +224,9 @@ def test_probe_errors_and_probe_claiming_the_pin_are_reported(fake_repo, tmp_pat
     (probes / "0002-x30.py").write_text("def probe(tree):\n    raise RuntimeError('boom')\n")
     (probes / "0003-init.py").write_text("def probe(tree):\n    return True\n")
     doc = matrix(fake_repo)
-    cell = doc["apply"]["vllm"]["0002-x30.patch"]["0.2.0"]
+    cell = doc["apply"][FAKE_BASE]["vllm"]["0002-x30.patch"]["0.2.0"]
     assert cell["state"] == M.S_ERROR and "RuntimeError: boom" in cell["detail"]
-    pin = doc["apply"]["vllm"]["0003-init.patch"]["0.1.0"]
+    pin = doc["apply"][FAKE_BASE]["vllm"]["0003-init.patch"]["0.1.0"]
     assert pin["state"] == M.S_ERROR and "already upstream in the pin" in pin["detail"]
     assert M.exit_code(doc) == 1
 
@@ -246,7 +252,7 @@ def test_sdists_are_verified_and_nothing_is_downloaded_when_cached(fake_repo, mo
     config = M.load_config(fake_repo / "ci" / "matrix.toml", fake_repo)
     path, digest, how = M.resolve_sdist(config, "vllm", "0.2.0")
     assert how == "ci/matrix.toml [sha256]" and digest == M.sha256_of(path)
-    assert M.resolve_sdist(config, "vllm", "0.1.0")[2] == "vllm/pin.env"
+    assert M.resolve_sdist(config, "vllm", "0.1.0")[2] == f"bases/{FAKE_BASE}/vllm.env"
     # one byte changed: refused
     data = bytearray(path.read_bytes())
     data[-1] ^= 1
@@ -345,7 +351,7 @@ def test_cli_writes_report_json_html_and_keeps_hand_written_text(fake_repo, tmp_
     doc = json.loads((out / "matrix.json").read_text())
     assert doc["schema"] == M.SCHEMA and "tree" not in doc["releases"]["vllm"][0]
     page = (out / "matrix.html").read_text(encoding="utf-8")
-    assert M.COLORS[M.S_CONFLICTS] in page and "vLLM 0.1.0 (pin)" in page and "LMCache 1.1.0" in page
+    assert M.COLORS[M.S_CONFLICTS] in page and "vLLM 0.1.0" in page and "pin of base 0.1" in page and "LMCache 1.1.0" in page
     # columns: every (vLLM, LMCache) pair; rows: patch x suite
     g = M.grid(doc)
     assert len(g["columns"]) == 3 * 2
@@ -359,9 +365,11 @@ def test_png_when_matplotlib_is_available(tmp_path):
     if importlib.util.find_spec("matplotlib") is None and not venv_py.exists():
         pytest.skip("no matplotlib here and no plot venv cached (the runner installs one on first use)")
     doc = {"generated": "now", "suites": ["apply"], "pins": {"vllm": "1", "lmcache": "2"},
-           "cells": [{"key": "1/2", "vllm": "1", "lmcache": "2", "pinned": True}],
-           "apply": {"vllm": {"0001-a.patch": {"1": {"state": M.S_APPLIES, "detail": "", "how": "", "note": ""}}},
-                     "lmcache": {}},
+           "bases": {"1": {"label": "1", "pins": {"vllm": "1", "lmcache": "2"}}},
+           "series": {"1": {"vllm": "present", "lmcache": "absent"}},
+           "cells": [{"key": "1/2", "vllm": "1", "lmcache": "2", "pinned": True, "pin_of": "1"}],
+           "apply": {"1": {"vllm": {"0001-a.patch": {"1": {"state": M.S_APPLIES, "detail": "", "how": "", "note": ""}}},
+                           "lmcache": {}}},
            "results": {}, "problems": [], "releases": {}}
     assert M.render_png(doc, tmp_path / "m.png")
     assert (tmp_path / "m.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -412,10 +420,10 @@ def test_upstream_status_write_changes_only_the_header(fake_repo, tmp_path):
     stack(fake_repo, tmp_path)
     out = tmp_path / "out"
     assert run(fake_repo, "--suites", "apply", "--out", str(out)).returncode == 0
-    vdir = fake_repo / "patches" / "vllm"
+    vdir = fake_repo / "patches" / FAKE_BASE / "vllm"
     before = {p.name: p.read_text() for p in vdir.glob("*.patch")}
     args = ["--matrix", str(out / "matrix.json"), "--series-dir", f"vllm={vdir}",
-            "--series-dir", f"lmcache={fake_repo / 'patches' / 'lmcache'}", "--no-run", "--component", "vllm"]
+            "--series-dir", f"lmcache={fake_repo / 'patches' / FAKE_BASE / 'lmcache'}", "--no-run", "--component", "vllm"]
     assert U.main(args + ["--check"]) == 1
     assert U.main(args + ["--write"]) == 0
     after = (vdir / "0001-pack.patch").read_text()
@@ -488,7 +496,7 @@ def test_probes_can_share_helpers(fake_repo, tmp_path):
     (probes / "_fakelib.py").write_text("def packed(tree):\n    return '2 * d' in (tree / 'vllm/attn.py').read_text()\n")
     (probes / "vllm").mkdir(exist_ok=True)
     (probes / "vllm" / "0001-pack.py").write_text("from _fakelib import packed as probe\n")
-    cell = matrix(fake_repo)["apply"]["vllm"]["0001-pack.patch"]["0.3.0"]
+    cell = matrix(fake_repo)["apply"][FAKE_BASE]["vllm"]["0001-pack.patch"]["0.3.0"]
     assert cell["state"] == M.S_UPSTREAM and cell["how"] == "probe"
 
 
@@ -567,15 +575,169 @@ def test_real_releases_with_a_demonstration_series(tmp_path):
     (probes / "vllm" / "0001-demo-packed.py").write_text("from _probelib import vllm_packed_kv as probe\n")
     with_probe = M.run_matrix(config, ["apply"], series, probes, [], components=["vllm"], offline=True)
 
-    a0, a1 = without["apply"]["vllm"]["0001-demo-packed.patch"], with_probe["apply"]["vllm"]["0001-demo-packed.patch"]
+    a0, a1 = without["apply"][config.base]["vllm"]["0001-demo-packed.patch"], with_probe["apply"][config.base]["vllm"]["0001-demo-packed.patch"]
     assert a0["0.25.1"]["state"] == a1["0.25.1"]["state"] == M.S_APPLIES
     assert a0["0.26.0"]["state"] == M.S_UPSTREAM and a0["0.26.0"]["how"] == "reverse-applies"
     for v in versions[2:]:
         assert a0[v]["state"] == M.S_CONFLICTS and rel in a0[v]["detail"], (v, a0[v])
         assert a1[v]["state"] == M.S_UPSTREAM and a1[v]["how"] == "probe", (v, a1[v])
     for v in versions:
-        assert with_probe["apply"]["vllm"]["0002-demo-envs.patch"][v]["state"] in (M.S_APPLIES, M.S_OFFSET)
+        assert with_probe["apply"][config.base]["vllm"]["0002-demo-envs.patch"][v]["state"] in (M.S_APPLIES, M.S_OFFSET)
     assert without["problems"] == [] and with_probe["problems"] == []
     prop = {p.patch: p for p in M.proposals(with_probe)}["0001-demo-packed.patch"]
     assert prop.drop == "vllm >= 0.26.0"
     assert prop.status == "Backport [vllm-project/vllm#44455, upstream in vLLM 0.26.0]"
+
+
+# --------------------------------------------------------------------------- two bases, results per base
+
+
+def add_second_base(root: Path, tmp_path: Path) -> None:
+    """Base 0.3 (vllm 0.3.0 + lmcache 1.1.0) with one vLLM patch made against 0.3.0, no LMCache series yet."""
+    config = M.load_config(root / "ci" / "matrix.toml", root)
+    (root / "bases" / "0.3").mkdir()
+    for comp, v in (("vllm", "0.3.0"), ("lmcache", "1.1.0")):
+        name = f"{comp}-{v}.tar.gz"
+        (root / "bases" / "0.3" / f"{comp}.env").write_text(
+            f"PROJECT={comp}\nVERSION={v}\nSDIST={name}\nSDIST_SHA256={config.sha256[name]}\n")
+    (root / "patches" / "0.3" / "vllm").mkdir(parents=True)
+    (root / "patches" / "0.3" / "vllm" / "series").write_text("")
+    tree = M.release_tree(config, "vllm", "0.3.0", offline=True)[0]
+    add_patch(root, "vllm", "0001-x30-rebased.patch",
+              make_patch(tmp_path, "vllm/attn.py", "x29 = 29\nx30 = 300\n", "x29 = 29\nx30 = 31\n", "x30 rebased", tree)
+              .replace("Inappropriate [test fixture]", "Pending"), base="0.3")
+
+
+def test_each_base_series_is_checked_against_every_release(fake_repo, tmp_path):
+    stack(fake_repo, tmp_path)
+    add_second_base(fake_repo, tmp_path)
+    out = tmp_path / "out"
+    res = run(fake_repo, "--suites", "apply", "--out", str(out))
+    assert res.returncode == 0, res.stdout + res.stderr
+    doc = json.loads((out / "matrix.json").read_text())
+    assert doc["schema"] == 2 and sorted(doc["bases"]) == ["0.1", "0.3"] and doc["base"] == "0.1"
+    assert doc["series"]["0.3"] == {"vllm": "present", "lmcache": "absent"}
+    new = doc["apply"]["0.3"]["vllm"]["0001-x30-rebased.patch"]
+    assert new["0.3.0"]["state"] == M.S_APPLIES  # its own pin
+    assert new["0.1.0"]["state"] == M.S_CONFLICTS and new["0.2.0"]["state"] == M.S_CONFLICTS
+    assert doc["apply"]["0.1"]["vllm"]["0002-x30.patch"]["0.3.0"]["state"] == M.S_CONFLICTS  # not a problem: not its pin
+    assert doc["apply"]["0.3"]["lmcache"] == {}
+    assert "0.3.0 (pin of base 0.3)" in res.stdout and "0.1.0 (pin of base 0.1)" in res.stdout
+    assert "(no series yet)" in res.stdout
+    report = (out / "REPORT.md").read_text(encoding="utf-8")
+    assert "### apply, base 0.3 (vLLM 0.3.0 + LMCache 1.1.0): its vLLM series x vLLM releases" in report
+    assert "no series yet (patches/0.3/lmcache/series)" in report
+    # the new base's series must apply to its own pin
+    (fake_repo / "patches" / "0.3" / "vllm" / "0001-x30-rebased.patch").write_text(
+        (fake_repo / "patches" / "0.1" / "vllm" / "0002-x30.patch").read_text())
+    res = run(fake_repo, "--suites", "apply", "--out", str(out))
+    assert res.returncode == 1 and "base 0.3: vllm 0.3.0 (pin) 0001-x30-rebased.patch: conflicts" in res.stdout
+
+
+SPLIT_JUNIT = """<?xml version="1.0" encoding="utf-8"?>
+<testsuites><testsuite name="pytest">
+<testcase classname="tests.tooling.test_x" name="test_a" file="tests/tooling/test_x.py"/>
+<testcase classname="tests.env.streaming.test_y" name="test_b"/>
+<testcase classname="tests.env.lmcache.test_z" name="test_c">{fail}</testcase>
+</testsuite></testsuites>
+"""
+
+
+def test_results_files_fill_the_pinned_pair_of_their_base_split_into_unit_and_e2e(fake_repo, tmp_path):
+    stack(fake_repo, tmp_path)
+    add_second_base(fake_repo, tmp_path)
+    toml = fake_repo / "ci" / "matrix.toml"
+    toml.write_text(toml.read_text() + '\n[suite.e2e-cpu]\njunit_cases = ["tests.env.*"]\n')
+    junit = tmp_path / "junit"
+    junit.mkdir()
+    (junit / "tests-0.1.xml").write_text(SPLIT_JUNIT.format(fail=""))
+    only_env = SPLIT_JUNIT.format(fail='<failure message="x"/>').replace(
+        '<testcase classname="tests.tooling.test_x" name="test_a" file="tests/tooling/test_x.py"/>\n', "")
+    (junit / "tests-0.3.xml").write_text(only_env)
+    out = tmp_path / "out"
+    res = run(fake_repo, "--out", str(out), "--results", f"unit={junit / 'tests-0.1.xml'}",
+              "--results", f"unit={junit / 'tests-0.3.xml'}")
+    assert res.returncode == 1, res.stdout + res.stderr  # the 0.3 e2e case failed
+    doc = json.loads((out / "matrix.json").read_text())
+    unit, e2e = doc["results"]["unit"]["stack"], doc["results"]["e2e-cpu"]["stack"]
+    assert unit["0.1.0/1.0.0"]["state"] == M.S_PASS and "1 passed, 0 failed" in unit["0.1.0/1.0.0"]["detail"]
+    assert e2e["0.1.0/1.0.0"]["state"] == M.S_PASS and "2 passed, 0 failed" in e2e["0.1.0/1.0.0"]["detail"]
+    assert e2e["0.3.0/1.1.0"]["state"] == M.S_FAIL and "tests.env.lmcache.test_z::test_c" in e2e["0.3.0/1.1.0"]["detail"]
+    assert unit["0.3.0/1.1.0"]["state"] == M.S_NOT_RUN and "no unit test case in tests-0.3.xml" in unit["0.3.0/1.1.0"]["detail"]
+    assert {c["key"]: c["pin_of"] for c in doc["cells"] if c["pin_of"]} == {"0.1.0/1.0.0": "0.1", "0.3.0/1.1.0": "0.3"}
+    assert unit["0.2.0/1.0.0"]["state"] == M.S_NOT_RUN
+    assert "0.1.0/1.0.0 (pin of base 0.1)" in res.stdout and "0.3.0/1.1.0 (pin of base 0.3)" in res.stdout
+    # no results for a base: its pinned cells say so
+    res = run(fake_repo, "--out", str(out), "--results", f"unit={junit / 'tests-0.1.xml'}")
+    doc = json.loads((out / "matrix.json").read_text())
+    assert "no results given for base 0.3" in doc["results"]["unit"]["stack"]["0.3.0/1.1.0"]["detail"]
+
+
+# --------------------------------------------------------------------------- a pin bump: --propose-base
+
+
+def test_propose_base_reports_each_patch_and_writes_only_with_write(fake_repo, tmp_path):
+    """Propose vLLM 0.3.0 + LMCache 1.1.0 from base 0.1: 0001 upstream (probe), 0002 conflicts, 0003 applies."""
+    stack(fake_repo, tmp_path)
+    before = {p: p.read_bytes() for p in fake_repo.rglob("*") if p.is_file()}
+    res = run(fake_repo, "--propose-base", "0.3.0", "1.1.0")
+    assert res.returncode == 1, res.stdout + res.stderr  # 0002 conflicts: a rebase is due
+    out = res.stdout
+    assert "propose base 0.3: vLLM 0.3.0 + LMCache 1.1.0, checked against the series of base 0.1" in out
+    assert re.search(r"0001-pack\.patch  already upstream \(probe\)", out)
+    assert re.search(r"0002-x30\.patch  CONFLICTS: vllm/attn\.py hunk #1", out)
+    assert re.search(r"0003-init\.patch  applies", out)
+    assert re.search(r"0001-core\.patch  applies", out)
+    assert re.search(r"Drop-When candidates.*\n  vllm/0001-pack\.patch  \(probe\)  Drop-When: \(none\)", out)
+    digest = M.load_config(fake_repo / "ci" / "matrix.toml", fake_repo).sha256["vllm-0.3.0.tar.gz"]
+    assert f"SDIST_SHA256={digest}" in out and "bases/0.3/vllm.env (suggested)" in out
+    assert "nothing written" in out
+    assert {p: p.read_bytes() for p in fake_repo.rglob("*") if p.is_file()} == before
+    # --write: the pin files (valid KEY=VALUE) and nothing else but ci/matrix.toml lines that are missing
+    res = run(fake_repo, "--propose-base", "0.3.0", "1.1.0", "--write")
+    assert "wrote: bases/0.3/vllm.env, bases/0.3/lmcache.env" in res.stdout, res.stdout + res.stderr
+    from kvstack.release.pins import load_base
+    assert load_base("0.3", fake_repo).label == "0.3 (vLLM 0.3.0 + LMCache 1.1.0)"
+    assert load_pin("vllm", "0.3", fake_repo).sdist_sha256 == digest
+    assert (fake_repo / "ci" / "matrix.toml").read_bytes() == before[fake_repo / "ci" / "matrix.toml"]
+    assert run(fake_repo, "--propose-base", "0.3.0", "1.1.0", "--write").returncode == 2  # exists: refused
+
+
+def test_propose_base_adds_the_toml_lines_for_a_new_release(fake_repo, tmp_path, monkeypatch):
+    src = make_sdist(tmp_path / "new", "vllm", "0.4.0", {"vllm/__init__.py": "", "vllm/attn.py": attn("0.1.0")})
+    target = cache_dir() / "sdists" / src.name
+    target.write_bytes(src.read_bytes())
+    digest = M.sha256_of(target)
+    target.with_name(target.name + ".sha256").write_text(digest + "\n")  # as a first download leaves it
+    stack(fake_repo, tmp_path)
+    res = run(fake_repo, "--propose-base", "0.4.0", "1.0.0", "--write")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert '[vllm] releases: add "0.4.0"' in res.stdout and f'[sha256]: "vllm-0.4.0.tar.gz" = "{digest}"' in res.stdout
+    config = M.load_config(fake_repo / "ci" / "matrix.toml", fake_repo)
+    assert "0.4.0" in config.releases["vllm"] and config.sha256["vllm-0.4.0.tar.gz"] == digest
+    assert config.bases["0.4"] == {"vllm": "0.4.0", "lmcache": "1.0.0"}
+
+
+def test_propose_base_on_the_real_cached_releases():
+    """0.33.0 + 0.5.6 from base 0.32, on the cached sdists: the report names each 0.32 patch's state."""
+    from kvstack.matrix import propose_base as P
+
+    for name in ("vllm-0.33.0.tar.gz", "lmcache-0.5.6.tar.gz"):
+        if not (cache_dir() / "sdists" / name).is_file():
+            pytest.skip(f"{name} not cached (python3 ci/run_matrix.py --suites apply fetches it)")
+    report = P.propose_base("0.33.0", "0.5.6", "0.32", offline=True)
+    text = P.render(report)
+    assert report["problems"] == [], report["problems"]
+    assert report["new_base"] == "0.33" and "nothing written" in text
+    for comp in COMPONENTS:
+        series_dir = load_pin(comp, "0.32").series_dir
+        if not (series_dir / "series").is_file():
+            assert report["series"][comp] == "absent" and "no series yet (patches/0.32/" in text
+            continue
+        for patch in read_series(series_dir):
+            row = next(r for r in report["patches"][comp] if r["name"] == patch.name)
+            assert row["state"] in (M.S_APPLIES, M.S_OFFSET, M.S_CONFLICTS, M.S_UPSTREAM), row
+            assert re.search(rf"{re.escape(patch.name)}  (applies|applies with offset|CONFLICTS|already upstream)", text)
+    # LMCache 0.5.6 is base 0.32's pin: its wheel lines are known and copied, not TODO
+    assert "WHEEL_CP311_SHA256=" in report["pin_files"]["lmcache"] and "TODO" not in report["pin_files"]["lmcache"]
+    assert "# TODO CUDA_WHEEL=vllm-0.33.0-" in report["pin_files"]["vllm"]

@@ -9,16 +9,17 @@ import pytest
 
 from kvtest import make_patch, run_script
 from kvstack.release.patchstack import read_series
-from kvstack.release.pins import COMPONENTS, load_pin
+from kvstack.release.pins import COMPONENTS, base_names, load_pin
 
 
-def _roundtrip(component, series_dir, tmp_path):
+def _roundtrip(component, series_dir, tmp_path, base=None):
     work = tmp_path / f"{component}-work"
-    run_script("import_patches.sh", component, work, "--series-dir", series_dir, check=True)
+    env = {"KVSTACK_BASE": base} if base else None  # the pristine sdist of that base
+    run_script("import_patches.sh", component, work, "--series-dir", series_dir, check=True, env=env)
     out = tmp_path / f"{component}-out"
     out.mkdir()
     (out / "series").write_text((series_dir / "series").read_text())  # keeps the comment header
-    run_script("export_patches.sh", component, work, "--series-dir", out, check=True)
+    run_script("export_patches.sh", component, work, "--series-dir", out, check=True, env=env)
     return work, out
 
 
@@ -30,11 +31,11 @@ def assert_same_dir(a, b):
         assert filecmp.cmp(a / name, b / name, shallow=False), f"{name} differs after the round trip"
 
 
+@pytest.mark.parametrize("base", base_names())
 @pytest.mark.parametrize("component", COMPONENTS)
-def test_real_series_round_trips_byte_identical(component, pinned_tree, tmp_path):
-    pinned_tree(component)
-    series_dir = load_pin(component).series_dir
-    _, out = _roundtrip(component, series_dir, tmp_path)
+def test_real_series_round_trips_byte_identical(component, base, tmp_path):
+    series_dir = load_pin(component, base).series_dir
+    _, out = _roundtrip(component, series_dir, tmp_path, base)
     assert_same_dir(series_dir, out)
 
 

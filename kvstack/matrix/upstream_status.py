@@ -28,10 +28,12 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from kvstack.matrix import (LABEL, S_APPLIES, S_CONFLICTS, S_OFFSET, S_UPSTREAM, load_config,
-                            diff_sha256, run_matrix, version_key)
+from kvstack.matrix.apply_suite import diff_sha256
+from kvstack.matrix.config import load_config
+from kvstack.matrix.run import run_matrix
+from kvstack.matrix.states import LABEL, S_APPLIES, S_CONFLICTS, S_OFFSET, S_UPSTREAM, SCHEMA, version_key
 from kvstack.release.patchstack import read_series
-from kvstack.release.pins import COMPONENTS, REPO_ROOT, load_pin
+from kvstack.release.pins import COMPONENTS, REPO_ROOT, default_base, load_pin
 
 DEFAULT_MATRIX = REPO_ROOT / "ci" / "matrix.json"
 VERSION_RE = re.compile(r"(?<![\w.#])v?(\d+\.\d+(?:\.\d+)?)(?![\w.])")
@@ -50,6 +52,7 @@ class Proposal:
     drop: str | None
     verdict: str  # ok / update / CHECK / stale
     reasons: list[str] = field(default_factory=list)
+    base: str = ""  # the base whose series holds the patch
 
     @property
     def changes(self) -> bool:
@@ -200,10 +203,12 @@ def load_matrix(path: Path) -> dict | None:
     return json.loads(path.read_text())
 
 
-def stale_patches(doc: dict, series: dict[str, list[Path]]) -> list[str]:
+def stale_patches(doc: dict, series: dict[str, list[Path]], base: str) -> list[str]:
     stale = []
+    if doc.get("schema") != SCHEMA or base not in doc.get("patches", {}):
+        return [f"(the matrix result has no base {base}, or an older schema)"]
     for comp, patches in series.items():
-        known = {p["name"]: p.get("diff_sha256") for p in doc.get("patches", {}).get(comp, [])}
+        known = {p["name"]: p.get("diff_sha256") for p in doc["patches"][base].get(comp, [])}
         for p in patches:
             if known.get(p.name) != diff_sha256(p):
                 stale.append(f"{comp}/{p.name}")
@@ -214,8 +219,9 @@ def stale_patches(doc: dict, series: dict[str, list[Path]]) -> list[str]:
     return stale
 
 
-def fresh_matrix(config_path: Path, series: dict[str, list[Path]], probes_dir: Path, offline: bool) -> dict:
-    config = load_config(config_path)
+def fresh_matrix(config_path: Path, series: dict[str, list[Path]], probes_dir: Path, offline: bool,
+                 base: str | None = None) -> dict:
+    config = load_config(config_path, base=base)
     return run_matrix(config, ["apply"], series, probes_dir, [], offline=offline)
 
 
@@ -241,6 +247,7 @@ exit codes:
     parser.add_argument("--probes-dir", type=Path, default=REPO_ROOT / "ci" / "probes")
     parser.add_argument("--series-dir", action="append", metavar="COMPONENT=DIR")
     parser.add_argument("--component", action="append", choices=COMPONENTS)
+    parser.add_argument("--base", help="whose series (default: $KVSTACK_BASE, else bases/default)")
     parser.add_argument("--write", action="store_true", help="write the proposed lines into the patch files")
     parser.add_argument("--check", action="store_true", help="exit 1 when a header should change or needs a look")
     parser.add_argument("--json", action="store_true", help="print the proposals as JSON")
@@ -255,10 +262,11 @@ exit codes:
             parser.error(f"--series-dir expects COMPONENT=DIR, got {v!r}")
         dirs[comp] = Path(d)
     components = args.component or list(COMPONENTS)
-    series = {c: read_series(dirs.get(c) or load_pin(c).series_dir) for c in components}
-
     doc = None if args.run else load_matrix(args.matrix)
-    stale = stale_patches(doc, series) if doc else ["(no result)"]
+    # The base: --base, else the one the matrix result names as default, else this checkout's default.
+    base = args.base or (doc or {}).get("base") or default_base()
+    series = {c: read_series(dirs.get(c) or load_pin(c, base).series_dir) for c in components}
+    stale = stale_patches(doc, series, base) if doc else ["(no result)"]
     if args.run or stale:
         if args.no_run:
             print(f"error: {args.matrix} is missing or stale for: {', '.join(stale)}; "
@@ -267,16 +275,17 @@ exit codes:
         if not args.run:
             print(f"[upstream-status] {args.matrix.name} is missing or stale for: {', '.join(stale)}; "
                   "running the apply suite", file=sys.stderr)
-        doc = fresh_matrix(args.config, series, args.probes_dir, args.offline)
+        doc = fresh_matrix(args.config, series, args.probes_dir, args.offline, base)
 
     proposals: list[Proposal] = []
     for comp in components:
-        pin = doc["pins"][comp]
+        pin = doc["bases"][base]["pins"][comp]
         for patch in series[comp]:
             fields = read_fields(patch)
-            per_version = doc["apply"].get(comp, {}).get(patch.name, {})
-            proposals.append(propose(comp, patch.name, per_version, pin,
-                                     fields["Upstream-Status"], fields["Drop-When"]))
+            per_version = doc["apply"][base].get(comp, {}).get(patch.name, {})
+            prop = propose(comp, patch.name, per_version, pin, fields["Upstream-Status"], fields["Drop-When"])
+            prop.base = base
+            proposals.append(prop)
 
     if args.json:
         print(json.dumps([asdict(p) for p in proposals], indent=1))
@@ -298,7 +307,7 @@ exit codes:
         for p in proposals:
             if not p.changes:
                 continue
-            path = (dirs.get(p.component) or load_pin(p.component).series_dir) / p.patch
+            path = (dirs.get(p.component) or load_pin(p.component, base).series_dir) / p.patch
             values = {}
             if p.status and p.status != p.current_status:
                 values["Upstream-Status"] = p.status

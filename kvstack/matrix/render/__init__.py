@@ -1,0 +1,1 @@
+"""The renderers of the matrix document."""
