@@ -238,6 +238,13 @@ def _short(text: str, width: int) -> str:
     return text if len(text) <= width else text[: width - 3] + "..."
 
 
+def _vllm_version() -> str:
+    """The pinned vLLM release of the base in effect (the installed one, in a kvstack venv)."""
+    from kvstack.release.pins import load_pin
+
+    return load_pin("vllm").version
+
+
 def build_upstream_overlay(work: Path) -> tuple[Path | None, str]:
     """The overlay with kvstack's vLLM series taken out; (folder, description) or (None, why not)."""
     from kvstack.release import overlay
@@ -257,7 +264,7 @@ def build_upstream_overlay(work: Path) -> tuple[Path | None, str]:
     # A file a patch added is removed from the overlay but stays installed: nothing upstream
     # imports it (the reversed files no longer name it).
     extra = f"; {len(gone)} file(s) the series adds stay installed, unused" if gone else ""
-    return dest, (f"vLLM 0.25.1 as released: the installed vLLM with kvstack's {len(patches)} vLLM "
+    return dest, (f"vLLM {load_pin('vllm').version} as released: the installed vLLM with kvstack's {len(patches)} vLLM "
                   f"patches taken out again (git apply -R into an overlay of the {len(files)} "
                   f"file(s) they touch, {dest}, put in front of the installed package{extra})")
 
@@ -388,9 +395,9 @@ def compare_demo(args) -> int:
                   "run with --upstream installed to compare with the installed vLLM without a "
                   "KV connector instead", file=sys.stderr)
             return 2
-        upstream_is, tag = what, "vLLM 0.25.1 as released (kvstack's vLLM patches taken out)"
+        upstream_is, tag = what, f"vLLM {_vllm_version()} as released (kvstack's vLLM patches taken out)"
     else:
-        upstream_is = ("NOT vLLM as released: the installed vLLM 0.25.1 WITH kvstack's patches, "
+        upstream_is = (f"NOT vLLM as released: the installed vLLM {_vllm_version()} WITH kvstack's patches, "
                        "run without any KV connector (kvstack's vLLM patches do nothing without one)")
         tag = "the installed, patched vLLM without a KV connector"
     rep.say(f"upstream = {upstream_is}")
