@@ -12,10 +12,17 @@ import pytest
 pytest.importorskip("lmcache")
 
 import torch  # noqa: E402
+from packaging.version import Version  # noqa: E402
 
 import lmcache  # noqa: E402,F401  (installs the lmcache.c_ops shim)
 from lmcache.v1.platform import torch_ops  # noqa: E402
-from lmcache.v1.platform.ops_types import EngineKVFormat as F, TransferDirection  # noqa: E402
+
+# Version switch: LMCache 0.5.6 moved the layout enums into its compiled ``lmcache_native``
+# module (0.5.3: ``lmcache.v1.platform.ops_types``).
+if Version(lmcache.__version__) < Version("0.5.6"):
+    from lmcache.v1.platform.ops_types import EngineKVFormat as F, TransferDirection  # noqa: E402
+else:
+    from lmcache.lmcache_native import EngineKVFormat as F, TransferDirection  # noqa: E402
 
 NB, BS, NH, HS, NL = 5, 4, 2, 4, 2
 

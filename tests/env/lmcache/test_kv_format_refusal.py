@@ -15,14 +15,22 @@ import pytest
 pytest.importorskip("lmcache")
 
 import torch  # noqa: E402
+from packaging.version import Version  # noqa: E402
 
 import lmcache  # noqa: E402,F401  (installs the lmcache.c_ops shim)
 from lmcache.utils import EngineType  # noqa: E402
 from lmcache.v1.gpu_connector.kv_format import detection  # noqa: E402
 from lmcache.v1.gpu_connector.kv_format.detectors import vllm as vllm_detector  # noqa: E402
-import lmcache.c_ops as lmc_ops  # noqa: E402
 
-F = lmc_ops.EngineKVFormat
+# Version switch: LMCache 0.5.6 moved the layout enums from ``lmcache.c_ops`` into its compiled
+# ``lmcache_native`` module.
+if Version(lmcache.__version__) < Version("0.5.6"):
+    import lmcache.c_ops as lmc_ops  # noqa: E402
+
+    F = lmc_ops.EngineKVFormat
+else:
+    from lmcache.lmcache_native import EngineKVFormat as F  # noqa: E402
+
 B, H, N, D = 6, 2, 4, 8  # blocks, KV heads (per TP rank), block size, head size
 HINTS = {"num_kv_heads": H, "head_dim": D}
 
@@ -66,9 +74,16 @@ def test_packed_accepted_without_head_hints(gpu_device, dtype):
 
 
 def test_cpu_backend_cache_accepted():
-    """vLLM CPU backend (B, H, N, 2D) bf16: CPU forces HND, heads and content match."""
+    """vLLM CPU backend (B, H, N, 2D) bf16: HND on CPU, heads and content match."""
     t = torch.zeros(B, H, N, 2 * D, dtype=torch.bfloat16)
-    assert _detect([t], "NHD", **HINTS)[0] == F.NL_X_NB_NH_BS_CS
+    if Version(lmcache.__version__) < Version("0.5.6"):
+        # LMCache 0.5.3 forces HND on a CPU worker whatever the hint says.
+        assert _detect([t], "NHD", **HINTS)[0] == F.NL_X_NB_NH_BS_CS
+    else:
+        # LMCache 0.5.6 honours an explicit hint (vLLM >= 0.29 reports its resolved layout:
+        # LBHNC -> "HND" for the CPU backend) and defaults to HND on a CPU worker without one.
+        assert _detect([t], "HND", **HINTS)[0] == F.NL_X_NB_NH_BS_CS
+        assert detection.detect_format([t], EngineType.VLLM, dict(HINTS))[0] == F.NL_X_NB_NH_BS_CS
 
 
 @pytest.mark.parametrize(
@@ -142,7 +157,8 @@ def test_mamba_page_unchanged(gpu_device, layout):
 
     edits = pytest.importorskip("lmcache.integration.vllm.kv_cache_group_edits")
     view = edits._MambaUnifiedViewEdit().apply(
-        SimpleNamespace(block_size=N), raw, {"kv_layout": layout}
+        # page_size_bytes: LMCache 0.5.6 bounds the re-view by the spec's page size.
+        SimpleNamespace(block_size=N, page_size_bytes=page), raw, {"kv_layout": layout}
     )
     got, normalized = _detect([view, view], layout, **HINTS)
     assert got == fmt
