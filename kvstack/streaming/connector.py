@@ -98,10 +98,17 @@ class StreamingConnector(KVConnectorBase_V1, SupportsHMA):
         check_layers(self._vllm_config, self.layout, self.cfg)
         self._worker.read_layer_features(self._vllm_config)
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        # The step starts when its metadata is bound, before the forward, on every vLLM:
+        # start_load_kv is no place for it (vLLM 0.32 calls it after the forward on steps
+        # without synchronous KV loads).
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None:
+            assert isinstance(connector_metadata, StreamingMetadata)
+            self._worker.begin_step(connector_metadata)
+
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
-        meta = self._get_connector_metadata()
-        assert isinstance(meta, StreamingMetadata)
-        self._worker.begin_step(meta)
+        return  # nothing to load: the step began in bind_connector_metadata
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return

@@ -8,7 +8,7 @@ exactly this request: the history window (read from the host tier) and the new t
 is what the native backend computes for a request whose KV is all on the device.
 
 Longer histories take the windowed path (torch kernels that return the LSE, merged by
-``merge_attn_states``): vLLM 0.25.1's CPU kernel does not return the LSE, and a kernel change would
+``merge_attn_states``): vLLM's CPU kernel (0.25.1, 0.32.0) does not return the LSE, and a kernel change would
 need a recompile. `attend_one_window` returns False whenever the layer's backend is not vLLM's CPU
 backend, so GPUs always take the windowed path.
 """
@@ -18,6 +18,8 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import torch
+
+from .compat import cpu_attn_isa, cpu_scheduler_metadata_kwargs
 
 try:  # vLLM's CPU attention backend (absent or unusable: the windowed path is used)
     from vllm import _custom_ops as _ops
@@ -57,15 +59,20 @@ def attend_one_window(layer, query: torch.Tensor, hist_k: torch.Tensor | None,
     kv_cache = torch.zeros(num_blocks, hkv, block_size, 2 * d, dtype=cache_dtype)
     query_start_loc = torch.tensor([0, T], dtype=torch.int32)
     seq_lens = torch.tensor([n], dtype=torch.int32)
+    slot_mapping = torch.arange(n, dtype=torch.int64)
     meta = SimpleNamespace(
         num_actual_tokens=T, query_start_loc=query_start_loc, seq_lens=seq_lens, causal=True,
-        dynamic_causal=None, slot_mapping=torch.arange(n, dtype=torch.int64),
+        dynamic_causal=None, slot_mapping=slot_mapping,
         block_table=torch.arange(num_blocks, dtype=torch.int32).unsqueeze(0),
         scheduler_metadata=_ops.cpu_attn_get_scheduler_metadata(
             num_reqs=1, num_heads=impl.num_heads, num_kv_heads=hkv, head_dim=d,
             seq_lens=seq_lens, dtype=query.dtype, query_start_loc=query_start_loc, causal=True,
-            sliding_window_size=impl.sliding_window, isa=impl.isa,
-            enable_kv_split=_envs.VLLM_CPU_ATTN_SPLIT_KV),
+            sliding_window_size=impl.sliding_window, isa=cpu_attn_isa(layer),
+            enable_kv_split=_envs.VLLM_CPU_ATTN_SPLIT_KV,
+            **cpu_scheduler_metadata_kwargs(_ops.cpu_attn_get_scheduler_metadata, impl)),
         encoder_cache=None)
-    impl.forward(layer, query, keys, values, kv_cache, meta, out)
+    # The backend's own cache write, then its attention with no key/value (so forward writes
+    # nothing more, where it would: on every vLLM the cache is written exactly once).
+    impl.do_kv_cache_update(layer, keys, values, kv_cache, slot_mapping)
+    impl.forward(layer, query, None, None, kv_cache, meta, out)
     return True

@@ -110,8 +110,9 @@ def check_engine(vllm_config: "VllmConfig") -> None:
 
 def check_device_budget(vllm_config: "VllmConfig", kv_cache_config: Any) -> None:
     """The device KV cache must hold one scheduler step of every KV cache group plus vLLM's
-    null block. vLLM's own start-up check does not count the null block, so a budget of exactly
-    the blocks one request needs starts, then leaves a long request waiting forever."""
+    null block. vLLM 0.25.1's own start-up check does not count the null block, so a budget of
+    exactly the blocks one request needs starts, then leaves a long request waiting forever
+    (vLLM 0.32.0's check reserves it and refuses such a budget first; this check then agrees)."""
     from vllm.utils.math_utils import cdiv
     from vllm.v1.core.kv_cache_utils import (
         _max_memory_usage_bytes_from_groups,

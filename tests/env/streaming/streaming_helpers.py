@@ -29,6 +29,25 @@ def hooks_applied() -> bool:
     return hasattr(KVConnectorBase_V1, "get_kv_paging_window")
 
 
+def request_refused_errors() -> tuple[type[Exception], ...]:
+    """What vLLM raises for a request it refuses up front (e.g. a prompt longer than
+    max_model_len). vLLM 0.25.1: a ValueError (its VLLMValidationError is one). vLLM 0.32.0:
+    VLLMValidationError, which is no longer a ValueError."""
+    from vllm.exceptions import VLLMValidationError
+
+    return (ValueError, VLLMValidationError)
+
+
+def vllm_check_reserves_null_block() -> bool:
+    """Whether vLLM's own start-up KV check keeps vLLM's null block out of the budget. vLLM
+    0.25.1: no, so a budget of exactly the blocks one request needs starts and the streaming
+    connector refuses it itself (validate.check_device_budget). vLLM 0.32.0: yes
+    (get_kv_cache_configs checks the pool minus one block), so vLLM refuses that budget first."""
+    import vllm
+
+    return tuple(int(x) for x in vllm.__version__.split(".")[:2]) >= (0, 32)
+
+
 # The hooks patch is in the series, so the venv always has it: tests that use the hooks are only
 # marked (test_hooks.py::test_hooks_are_applied fails loudly when the patch is missing).
 needs_hooks = pytest.mark.streaming_hooks

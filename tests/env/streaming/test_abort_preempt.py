@@ -130,11 +130,11 @@ def test_preempted_streaming_requests_get_native_tokens(streaming, native, monke
     preempted = []
     real = sched._preempt_request
 
-    def spy(request, timestamp):  # observe only: vLLM's own preemption, then as usual
+    def spy(request, timestamp, *args, **kwargs):  # observe only: vLLM's own preemption
         preempted.append(dict(req=request.request_id, computed=request.num_computed_tokens,
                               outputs=request.num_output_tokens,
                               host_pages_in_use=conn.stats()["pages_in_use"]))
-        return real(request, timestamp)
+        return real(request, timestamp, *args, **kwargs)  # (0.32 adds drop_stale_output=)
 
     monkeypatch.setattr(sched, "_preempt_request", spy)
     got = dict(zip(PREEMPT, greedy_logprobs(streaming, [P(p) for p in PREEMPT.values()], N_NEW)))
@@ -156,9 +156,9 @@ def test_abort_while_preempted_frees_the_host_tier(streaming, native, monkeypatc
     preempted = []
     real = sched._preempt_request
 
-    def spy(request, timestamp):
+    def spy(request, timestamp, *args, **kwargs):
         preempted.append(request.request_id)
-        return real(request, timestamp)
+        return real(request, timestamp, *args, **kwargs)
 
     monkeypatch.setattr(sched, "_preempt_request", spy)
     names = list(PREEMPT_ABORT)

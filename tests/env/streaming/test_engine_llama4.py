@@ -9,7 +9,8 @@ import textwrap
 
 import pytest
 
-from streaming_helpers import ROOT, close, make_llm, needs_hooks, prompt, scheduler_connector, tokens
+from streaming_helpers import (ROOT, close, make_llm, needs_hooks, prompt, request_refused_errors,
+                               scheduler_connector, tokens)
 
 pytestmark = needs_hooks
 
@@ -97,7 +98,8 @@ def test_concurrent_requests_match_native(streaming, reference):
 def test_request_larger_than_tier_refused_up_front_engine_keeps_serving(streaming, reference):
     st = scheduler_connector(streaming).stats()
     assert st["capacity_tokens"] >= MAX_LEN  # checked at startup: any admissible request fits
-    with pytest.raises(ValueError, match="longer than the maximum model length|max_model_len|maximum"):
+    with pytest.raises(request_refused_errors(),
+                       match="longer than the maximum model length|max_model_len|maximum"):
         tokens(streaming, [prompt(st["capacity_tokens"] + 64)])
     assert tokens(streaming, [prompt(LONG)]) == reference["long"]
 
