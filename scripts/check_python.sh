@@ -3,21 +3,26 @@
 # make a venv. The image's cpu stage runs it first on its base image (a base without Python 3.11 fails
 # in seconds, naming what is missing); scripts/install_image.sh runs it too.
 #
-#   scripts/check_python.sh PYTHON       e.g. python3.11 (a name looked up on PATH) or /usr/bin/python3.11
+#   scripts/check_python.sh [--base NAME] PYTHON   e.g. python3.11 (a name looked up on PATH) or /usr/bin/python3.11
 #
+# --base NAME  the kvstack base whose pinned torch wheel the message names (default $KVSTACK_BASE, else
+#              bases/default; the message leaves it out when the base's pin file is not there).
 # Exit codes: 0 ok, 2 missing (the message says what: the interpreter, or its venv/ensurepip module).
 set -euo pipefail
+base="${KVSTACK_BASE:-}"
+if [ "${1:-}" = --base ]; then base="${2:-}"; shift 2 || shift; fi
 case "${1:-}" in
-  -h|--help) sed -n '2,8p' "$0" | sed 's/^# \{0,1\}//'; exit 0;;
+  -h|--help) sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//'; exit 0;;
   "") echo "error: PYTHON is required (see --help)" >&2; exit 2;;
 esac
 python="$1"
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-# What the pins need, for the message (the pin file is beside this script in the repo and the image).
+# What the pins need, for the message (bases/ is beside this script in the repo and the image).
+[ -n "$base" ] || [ ! -f "$root/bases/default" ] || base=$(cat "$root/bases/default")
 need=""
-if [ -f "$root/vllm/pin.env" ]; then
-  need=$(sed -n 's/^TORCH_WHEEL=//p' "$root/vllm/pin.env")
-  [ -z "$need" ] || need=" (the pinned torch wheel is $need)"
+if [ -n "$base" ] && [ -f "$root/bases/$base/vllm.env" ]; then
+  need=$(sed -n 's/^TORCH_WHEEL=//p' "$root/bases/$base/vllm.env")
+  [ -z "$need" ] || need=" (base $base: the pinned torch wheel is $need)"
 fi
 others=$(for p in python3 python; do
   if command -v "$p" >/dev/null 2>&1; then

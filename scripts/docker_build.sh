@@ -1,17 +1,20 @@
 #!/usr/bin/env bash
-# Build the kvstack image with Docker (BuildKit), Podman or Buildah, with its labels computed from the
-# pin files and the patch series.
+# Build the kvstack image of one base with Docker (BuildKit), Podman or Buildah, with its labels computed
+# from that base's pin files and patch series.
 #
-#   scripts/docker_build.sh [--target cuda|cpu] [--tag NAME:TAG] [--base IMAGE[@sha256:DIGEST]]
+#   scripts/docker_build.sh [--base NAME] [--target cuda|cpu] [--tag NAME:TAG]
+#                           [--base-image IMAGE[@sha256:DIGEST]]
 #                           [--builder docker|podman|buildah] [--storage-driver DRIVER]
 #                           [--ca-cert FILE] [--wheelhouse DIR | --no-wheelhouse]
-#                           [--source URL] [--print] [-- EXTRA BUILD ARGS...]
+#                           [--source URL] [--deps-only] [--print] [-- EXTRA BUILD ARGS...]
 #
+# --base            the kvstack base (bases/NAME: its pins and patch series; build arg KVSTACK_BASE);
+#                   default $KVSTACK_BASE, else bases/default. An unknown base is an error (exit 2).
 # --target          cuda (default) or cpu (see the Dockerfile's header)
-# --tag             image name (default kvstack:<version>-<target>)
-# --base            the base image for that target (sets CUDA_BASE_IMAGE / CPU_BASE_IMAGE): a registry
-#                   image, ideally by digest, or one that exists only in the builder's local storage
-#                   (e.g. localhost/kvstack-base:bookworm from scripts/make_base_image.sh)
+# --tag             image name (default kvstack:<version>-<base>-<target>, e.g. kvstack:0.1.0-0.25-cpu)
+# --base-image      the container's base image for that target (sets CUDA_BASE_IMAGE / CPU_BASE_IMAGE): a
+#                   registry image, ideally by digest, or one that exists only in the builder's local
+#                   storage (e.g. localhost/kvstack-base:bookworm from scripts/make_base_image.sh)
 # --builder         default $KVSTACK_BUILDER, else detected: docker when its daemon answers, else
 #                   podman, else buildah. A builder that is not installed is an error (exit 2).
 # --storage-driver  podman/buildah storage driver; default $KVSTACK_STORAGE_DRIVER or $STORAGE_DRIVER
@@ -25,38 +28,44 @@
 #                   context `wheelhouse`); default: the kvstack wheel cache ($KVSTACK_CACHE/wheels,
 #                   ~/.cache/kvstack/wheels) when it exists. --no-wheelhouse: download everything.
 # --source          the OCI source label (default: git remote "origin" URL, else "unknown")
+# --deps-only       build only the `deps` stage (the base's pinned wheels): podman/buildah tag it
+#                   localhost/kvstack-deps:... as below (nothing when it is there already); docker
+#                   builds --target deps into its layer cache. A later full build reuses it.
 # --print           print the build command instead of running it (no builder needed)
 # Buildah runs as `buildah bud --isolation chroot` ($KVSTACK_ISOLATION or BUILDAH_ISOLATION
 # overrides chroot). Podman/Buildah first build the Dockerfile's `deps` stage (the pinned wheels, 6 GB)
-# as its own image, localhost/kvstack-deps:<target>-<hash of the pin files, install scripts, Dockerfile
-# up to that stage and base>, only when that tag is missing, and build the image on it
-# (--build-context deps=docker-image://...): a change to kvstack's sources reinstalls only kvstack.
+# as its own image, localhost/kvstack-deps:<base>-<target>-<hash of the base's pin files, the install
+# scripts, the Dockerfile up to that stage and the base image>, only when that tag is missing, and build
+# the image on it (--build-context deps=docker-image://...): a change to kvstack's sources reinstalls
+# only kvstack.
 # Labels: see scripts/image_labels.py --help. Revision: `git rev-parse HEAD` (+ "-dirty" for a dirty tree).
-# Exit codes: 0 built (or printed), 2 usage error (bad option, builder not installed, missing file;
-# nothing is built), else the builder's own exit code.
+# Exit codes: 0 built (or printed), 2 usage error (bad option, unknown base, builder not installed,
+# missing file; nothing is built), else the builder's own exit code.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-target=cuda tag="" base="" source="" print=0 extra=() builder="${KVSTACK_BUILDER:-}"
+target=cuda tag="" base_arg="" base_image="" source="" print=0 deps_only=0 extra=() builder="${KVSTACK_BUILDER:-}"
 storage_driver="${KVSTACK_STORAGE_DRIVER:-${STORAGE_DRIVER:-}}" ca_cert="" wheelhouse="" use_wheelhouse=1
 die() { echo "error: $*" >&2; exit 2; }
 need_value() { [ $# -ge 2 ] && [ -n "$2" ] || die "$1 needs a value (see --help)"; }
 while [ $# -gt 0 ]; do
   case "$1" in
-    --target|--tag|--base|--source|--builder|--storage-driver|--ca-cert|--wheelhouse) need_value "$@";;
+    --target|--tag|--base|--base-image|--source|--builder|--storage-driver|--ca-cert|--wheelhouse) need_value "$@";;
   esac
   case "$1" in
     --target) target="$2"; shift 2;;
     --tag) tag="$2"; shift 2;;
-    --base) base="$2"; shift 2;;
+    --base) base_arg="$2"; shift 2;;
+    --base-image) base_image="$2"; shift 2;;
     --source) source="$2"; shift 2;;
     --builder) builder="$2"; shift 2;;
     --storage-driver) storage_driver="$2"; shift 2;;
     --ca-cert) ca_cert="$2"; shift 2;;
     --wheelhouse) wheelhouse="$2"; shift 2;;
     --no-wheelhouse) use_wheelhouse=0; shift;;
+    --deps-only) deps_only=1; shift;;
     --print) print=1; shift;;
     --) shift; extra=("$@"); break;;
-    -h|--help) sed -n '2,36p' "$0" | sed 's/^# \{0,1\}//'; exit 0;;
+    -h|--help) sed -n '2,43p' "$0" | sed 's/^# \{0,1\}//'; exit 0;;
     *) die "unknown argument $1 (see --help)";;
   esac
 done
@@ -68,6 +77,13 @@ python="${PYTHON:-python3}"
 . "$root/scripts/lib_builder.sh"
 if [ -z "$builder" ] && [ "$print" = 1 ]; then builder=docker; fi
 choose_builder "$builder" "$((1 - print))"
+# The kvstack base: its pin files feed the deps image's key, the labels and the default tag.
+# shellcheck source=scripts/lib_base.sh
+. "$root/scripts/lib_base.sh"
+case "$base_arg" in
+  */*|*:*|*@*) die "--base names a kvstack base (bases/NAME, e.g. $(cat "$root/bases/default")), not '$base_arg': the container's base image is --base-image";;
+esac
+resolve_base "$base_arg"
 [ -z "$ca_cert" ] || [ -f "$ca_cert" ] || die "--ca-cert $ca_cert: no such file"
 if [ "$use_wheelhouse" = 1 ] && [ -z "$wheelhouse" ]; then
   wheelhouse="${KVSTACK_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/kvstack}/wheels"
@@ -89,12 +105,12 @@ fi
 [ -n "$source" ] || source=$(git -C "$root" config --get remote.origin.url 2>/dev/null || true)
 [ -n "$source" ] || source=unknown
 version=$(sed -n 's/^version *= *"\([^"]*\)".*/\1/p' "$root/pyproject.toml" | head -1)
-[ -n "$tag" ] || tag="kvstack:$version-$target"
+[ -n "$tag" ] || tag="kvstack:$version-$base-$target"
 
 # Arguments both builds share (the deps image's and the final one's).
-common=(-f "$root/Dockerfile" --build-arg "TARGET=$target")
-if [ -n "$base" ]; then
-  if [ "$target" = cuda ]; then common+=(--build-arg "CUDA_BASE_IMAGE=$base"); else common+=(--build-arg "CPU_BASE_IMAGE=$base"); fi
+common=(-f "$root/Dockerfile" --build-arg "TARGET=$target" --build-arg "KVSTACK_BASE=$base")
+if [ -n "$base_image" ]; then
+  if [ "$target" = cuda ]; then common+=(--build-arg "CUDA_BASE_IMAGE=$base_image"); else common+=(--build-arg "CPU_BASE_IMAGE=$base_image"); fi
   # A base only in local storage: never try a registry for it.
   [ "$builder" = docker ] || common+=(--pull=never)
 fi
@@ -110,22 +126,25 @@ esac
 [ "$builder" = docker ] || [ -z "$storage_driver" ] || tool+=(--storage-driver "$storage_driver")
 
 # Podman/Buildah: the heavy `deps` stage is built once as its own image, tagged by a hash of everything
-# it is made from (the Dockerfile up to it, the pin files, the install scripts, the target and the base),
+# it is made from (the Dockerfile up to it, the base's pin files, the install scripts, the target and the
+# base image),
 # and reused through `--build-context deps=docker-image://TAG`. Their `--layers` cache would do the same
 # but commits and copies a working container per instruction: with vfs storage, a full copy of the
 # 7 GB image for each label. Docker (BuildKit) caches the stage itself.
 deps_cmd=()
 if [ "$builder" != docker ]; then
   base_id=""
-  if [ -n "$base" ]; then
-    base_id=$("${tool[@]}" inspect --type image --format '{{.FromImageID}}' "$base" 2>/dev/null ||
-              "${tool[@]}" image inspect --format '{{.Id}}' "$base" 2>/dev/null || true)
+  if [ -n "$base_image" ]; then
+    base_id=$("${tool[@]}" inspect --type image --format '{{.FromImageID}}' "$base_image" 2>/dev/null ||
+              "${tool[@]}" image inspect --format '{{.Id}}' "$base_image" 2>/dev/null || true)
   fi
+  # Everything the stages up to `deps` read: the same list as the Dockerfile's COPY and bind mounts.
   deps_key=$( { sed '/^FROM deps AS /,$d' "$root/Dockerfile"
-                cat "$root/vllm/pin.env" "$root/lmcache/pin.env" "$root/scripts/install_image.sh" \
-                    "$root/scripts/build_env.sh" "$root/scripts/lib_wheels.sh" "$root/scripts/check_python.sh"
-                echo "target=$target base=$base base_id=$base_id"; } | sha256sum | cut -c1-16)
-  deps_tag="localhost/kvstack-deps:$target-$deps_key"
+                cat "$(pin_file vllm)" "$(pin_file lmcache)" "$root/scripts/install_image.sh" \
+                    "$root/scripts/build_env.sh" "$root/scripts/lib_wheels.sh" "$root/scripts/lib_base.sh" \
+                    "$root/scripts/check_python.sh" "$root/scripts/runtime_packages.sh"
+                echo "target=$target kvstack_base=$base base_image=$base_image base_id=$base_id"; } | sha256sum | cut -c1-16)
+  deps_tag="localhost/kvstack-deps:$base-$target-$deps_key"
   deps_cmd=("${tool[@]}" "${build[@]}" --target deps -t "$deps_tag" "${common[@]}" "$root")
   common+=(--build-context "deps=docker-image://$deps_tag")
 fi
@@ -133,24 +152,29 @@ fi
 cmd=("${tool[@]}" "${build[@]}" --target final -t "$tag" "${common[@]}"
      --build-arg "KVSTACK_REVISION=$revision" --build-arg "KVSTACK_VERSION=$version"
      --build-arg "KVSTACK_SOURCE=$source")
-[ -z "$base" ] || cmd+=(--label "org.opencontainers.image.base.name=$base")
+[ -z "$base_image" ] || cmd+=(--label "org.opencontainers.image.base.name=$base_image")
 while IFS= read -r label; do
   cmd+=(--label "$label")
-done < <("$python" "$root/scripts/image_labels.py" --format labels --target "$target" --revision "$revision" --source "$source")
+done < <("$python" "$root/scripts/image_labels.py" --format labels --base "$base" --target "$target" --revision "$revision" --source "$source")
 cmd+=("${extra[@]}" "$root")
 
+if [ "$deps_only" = 1 ] && [ ${#deps_cmd[@]} = 0 ]; then
+  # docker: the deps stage alone, into BuildKit's cache (no labels, no tag).
+  cmd=("${tool[@]}" "${build[@]}" --target deps "${common[@]}" "${extra[@]}" "$root")
+fi
 if [ "$print" = 1 ]; then
   # podman/buildah: the deps image's build (run only when that tag is missing), then the image's.
   [ ${#deps_cmd[@]} = 0 ] || { printf '%q ' "${deps_cmd[@]}"; echo; }
-  printf '%q ' "${cmd[@]}"; echo
+  [ "$deps_only" = 1 ] && [ ${#deps_cmd[@]} -gt 0 ] || { printf '%q ' "${cmd[@]}"; echo; }
   exit 0
 fi
 if [ ${#deps_cmd[@]} -gt 0 ]; then
   if "${tool[@]}" inspect --type image "$deps_tag" >/dev/null 2>&1; then
-    echo "[docker_build] deps image $deps_tag is up to date (pin files and install scripts unchanged): reused" >&2
+    echo "[docker_build] deps image $deps_tag is up to date (base $base's pin files and the install scripts unchanged): reused" >&2
   else
-    echo "[docker_build] building the deps image $deps_tag (the pinned wheels; rebuilt only when the pin files, the install scripts or the base change)" >&2
+    echo "[docker_build] building the deps image $deps_tag (base $base's pinned wheels; rebuilt only when its pin files, the install scripts or the base image change)" >&2
     "${deps_cmd[@]}"
   fi
+  [ "$deps_only" = 0 ] || { echo "[docker_build] --deps-only: $deps_tag" >&2; exit 0; }
 fi
 exec "${cmd[@]}"

@@ -1,8 +1,11 @@
 #!/usr/bin/env python3
-"""The container image's metadata, computed from the pin files and the patch series (never typed twice).
+"""The container image's metadata, computed from one base's pin files and patch series (never typed twice).
 
-    scripts/image_labels.py [--target cuda|cpu] [--format labels|json] [--site-packages DIR]
+    scripts/image_labels.py [--base NAME] [--target cuda|cpu] [--format labels|json] [--site-packages DIR]
                             [--revision SHA] [--source URL] [--out FILE]
+
+--base NAME      the kvstack base the image is built on (bases/NAME, patches/NAME/); default
+                 $KVSTACK_BASE, else bases/default
 
 --format labels  one KEY=VALUE line per image label (scripts/docker_build.sh passes each as --label)
 --format json    the same labels plus the patch list as a JSON object (install_image.sh writes it into
@@ -12,10 +15,11 @@
                  image has), read the way `kvstack doctor` reads it
 
 Labels: org.opencontainers.image.{title,description,licenses,version,source,revision},
-kvstack.target, kvstack.pin.<component>.<key> for every KEY=VALUE of vllm/pin.env and lmcache/pin.env
-(keys lower-cased, '_' -> '-'), kvstack.patches (JSON list: component, patch, subject, upstream status),
+kvstack.target, kvstack.base (the base's name), kvstack.base.label (e.g. "0.25 (vLLM 0.25.1 + LMCache
+0.5.3)"), kvstack.pin.<component>.<key> for every KEY=VALUE of bases/<base>/vllm.env and
+bases/<base>/lmcache.env (keys lower-cased, '_' -> '-'), kvstack.patches (JSON list: component, patch, subject, upstream status),
 kvstack.patches.count, kvstack.sbom (path of the pip-inspect SBOM inside the image).
-Exit codes: 0 ok, 2 usage error.
+Exit codes: 0 ok, 2 usage error (an unknown base included).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from kvstack.release.patchstack import patch_headers, read_series  # noqa: E402
-from kvstack.release.pins import COMPONENTS, load_pin  # noqa: E402
+from kvstack.release.pins import COMPONENTS, default_base, load_base, load_pin  # noqa: E402
 
 SBOM_PATH = "/opt/kvstack/share/kvstack/sbom.pip-inspect.json"
 TARGETS = ("cuda", "cpu")
@@ -49,10 +53,10 @@ def upstream_status(patch: Path) -> str:
     return m.group(1).strip() if m else "unknown"
 
 
-def patch_list(site_packages: Path | None = None) -> list[dict]:
+def patch_list(site_packages: Path | None = None, base: str | None = None) -> list[dict]:
     out = []
     for comp in COMPONENTS:
-        patches = read_series(load_pin(comp).series_dir)
+        patches = read_series(load_pin(comp, base).series_dir)
         states: dict[Path, str] = {}
         if site_packages is not None and patches:
             from kvstack.release.patchstack import plan_series
@@ -71,18 +75,21 @@ def patch_list(site_packages: Path | None = None) -> list[dict]:
     return out
 
 
-def labels(target: str, revision: str, source: str, patches: list[dict]) -> dict[str, str]:
+def labels(target: str, revision: str, source: str, patches: list[dict], base: str | None = None) -> dict[str, str]:
+    base = base or default_base()
     lab = {
-        "org.opencontainers.image.title": f"kvstack ({target})",
+        "org.opencontainers.image.title": f"kvstack ({target}, base {base})",
         "org.opencontainers.image.description": "vLLM + LMCache with the kvstack patch stack applied; entrypoint: vllm serve",
         "org.opencontainers.image.licenses": "Apache-2.0",
         "org.opencontainers.image.version": project_version(),
         "org.opencontainers.image.revision": revision,
         "org.opencontainers.image.source": source,
         "kvstack.target": target,
+        "kvstack.base": base,
+        "kvstack.base.label": load_base(base).label,
     }
     for comp in COMPONENTS:
-        for key, value in load_pin(comp).values.items():
+        for key, value in load_pin(comp, base).values.items():
             lab[f"kvstack.pin.{comp}.{key.lower().replace('_', '-')}"] = value
     lab["kvstack.patches"] = json.dumps(
         [{k: v for k, v in p.items() if k != "state"} for p in patches], separators=(",", ":"))
@@ -94,6 +101,7 @@ def labels(target: str, revision: str, source: str, patches: list[dict]) -> dict
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="scripts/image_labels.py", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--base", help="the kvstack base (default: $KVSTACK_BASE, else bases/default)")
     ap.add_argument("--target", choices=TARGETS, default="cuda")
     ap.add_argument("--format", choices=("labels", "json"), default="labels")
     ap.add_argument("--site-packages", type=Path)
@@ -104,8 +112,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.site_packages is not None and not args.site_packages.is_dir():
         print(f"error: {args.site_packages} is not a directory", file=sys.stderr)
         return 2
-    patches = patch_list(args.site_packages)
-    lab = labels(args.target, args.revision, args.source, patches)
+    try:
+        base = args.base or default_base()
+        load_base(base)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    patches = patch_list(args.site_packages, base)
+    lab = labels(args.target, args.revision, args.source, patches, base)
     for k, v in lab.items():
         if "\n" in v:
             print(f"error: label {k} has a newline", file=sys.stderr)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Make a Debian bookworm base image from Debian's packages (no base-image registry needed) and import it
-# into a builder's local storage, for `scripts/docker_build.sh --target cpu --base NAME`.
+# into a builder's local storage, for `scripts/docker_build.sh --target cpu --base-image NAME`.
 #
 #   scripts/make_base_image.sh [--tag NAME] [--builder docker|podman|buildah] [--storage-driver DRIVER]
 #                              [--include PKGS] [--suite SUITE] [--tar FILE]

