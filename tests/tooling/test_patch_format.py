@@ -45,19 +45,44 @@ def test_patch_is_format_patch_with_a_why_and_a_status(base, component, patch):
     assert touched_paths(patch), "touches no file"
 
 
-@pytest.mark.parametrize("base,component,patch", ALL, ids=IDS)
-def test_patch_applies_to_pinned_sdist_without_fuzz_and_reverses(base, component, patch, tmp_path):
-    # Apply the series up to this patch on a scratch copy of the files it touches, from a pristine sdist.
+@pytest.fixture(scope="module")
+def series_on_pristine_sdist(tmp_path_factory):
+    """(base, component) -> {patch name: (forward result, reverse --check result)}: the series applied
+    in order to one pristine copy of the base's pinned sdist (unpacked once per base and component);
+    each patch is reverse-checked right after it is applied, before the next one."""
     from kvstack.release.fetch import cached_sdist, extract_sdist
 
-    pristine = tmp_path / "pristine"
-    extract_sdist(cached_sdist(load_pin(component, base)), pristine)
-    env = {**os.environ, "GIT_DIR": os.devnull}
-    for earlier in read_series(load_pin(component, base).series_dir):
-        fwd = subprocess.run(["git", "apply", "-p1", str(earlier)], cwd=pristine, env=env, capture_output=True, text=True)
-        assert fwd.returncode == 0, f"{earlier.name} does not apply cleanly: {fwd.stderr}"
-        if earlier == patch:
+    done: dict = {}
+
+    def get(base, component):
+        if (base, component) not in done:
+            pristine = tmp_path_factory.mktemp(f"pristine-{base}-{component}") / "tree"
+            extract_sdist(cached_sdist(load_pin(component, base)), pristine)
+            env = {**os.environ, "GIT_DIR": os.devnull}
+            results = {}
+            for patch in read_series(load_pin(component, base).series_dir):
+                fwd = subprocess.run(["git", "apply", "-p1", str(patch)], cwd=pristine, env=env,
+                                     capture_output=True, text=True)
+                rev = subprocess.run(["git", "apply", "-R", "--check", str(patch)], cwd=pristine, env=env,
+                                     capture_output=True, text=True) if fwd.returncode == 0 else None
+                results[patch.name] = (fwd, rev)
+                if fwd.returncode != 0:
+                    break  # later patches are not tried on a tree missing this one
+            shutil.rmtree(pristine)
+            done[base, component] = results
+        return done[base, component]
+
+    return get
+
+
+@pytest.mark.parametrize("base,component,patch", ALL, ids=IDS)
+def test_patch_applies_to_pinned_sdist_without_fuzz_and_reverses(base, component, patch, series_on_pristine_sdist):
+    # The series up to this patch, applied in order to the base's pristine sdist without fuzz.
+    results = series_on_pristine_sdist(base, component)
+    for name, (fwd, _) in results.items():
+        assert fwd.returncode == 0, f"{name} does not apply cleanly: {fwd.stderr}"
+        if name == patch.name:
             break
-    rev = subprocess.run(["git", "apply", "-R", "--check", str(patch)], cwd=pristine, env=env, capture_output=True, text=True)
+    assert patch.name in results, f"{patch.name} was not reached"
+    rev = results[patch.name][1]
     assert rev.returncode == 0, f"{patch.name} does not reverse-apply after applying: {rev.stderr}"
-    shutil.rmtree(pristine)
