@@ -121,11 +121,12 @@ def test_git_checkout_gets_one_commit_per_patch(small_tree, tmp_path, pinned_tre
 
 def test_wrong_version_is_refused_untouched(small_tree, tmp_path, pinned_tree):
     pkg = small_tree / "PKG-INFO"
-    pkg.write_text(pkg.read_text().replace("Version: 0.25.1", "Version: 0.99.0"))
+    pinned = load_pin("vllm").version
+    pkg.write_text(pkg.read_text().replace(f"Version: {pinned}", "Version: 0.99.0"))
     good = write_series(tmp_path, "good", good_patches(tmp_path, pinned_tree("vllm")))
     before = tree_digest(small_tree)
     res = run_script("apply_patches.sh", "--target", small_tree, "--series-dir", good, "--component", "vllm")
-    assert res.returncode == 3 and "0.99.0" in res.stderr and "0.25.1" in res.stderr
+    assert res.returncode == 3 and "0.99.0" in res.stderr and pinned in res.stderr
     assert tree_digest(small_tree) == before
 
 

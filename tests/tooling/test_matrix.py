@@ -23,7 +23,7 @@ from kvtest import REPO, make_patch
 from kvstack import matrix as M
 from kvstack.matrix import upstream_status as U
 from kvstack.release.patchstack import read_series
-from kvstack.release.pins import COMPONENTS, cache_dir, load_pin
+from kvstack.release.pins import COMPONENTS, base_names, cache_dir, load_pin
 
 # --------------------------------------------------------------------------- fake releases
 
@@ -151,9 +151,10 @@ def test_real_config_has_the_issue_axes():
     assert config.releases["lmcache"] == ["0.5.3", "0.5.6"]
     assert config.suites == ["apply", "unit", "e2e-cpu", "gpu"]
     assert config.pins == {c: load_pin(c).version for c in COMPONENTS}
+    every_pin = {c: {load_pin(c, b).version for b in base_names()} for c in COMPONENTS}
     for comp, versions in config.releases.items():
         for v in versions:
-            if v != config.pins[comp]:
+            if v not in every_pin[comp]:  # a base's pin has its digest in bases/<base>/
                 assert re.fullmatch(r"[0-9a-f]{64}", config.sha256[f"{comp}-{v}.tar.gz"])
 
 
@@ -449,7 +450,8 @@ def test_set_fields_adds_lines_before_the_diffstat():
 
 def test_every_probe_belongs_to_a_patch_and_is_loadable():
     probes = REPO / "ci" / "probes"
-    series = {c: read_series(load_pin(c).series_dir) for c in COMPONENTS}
+    # probes are keyed by patch name: a probe belongs to a patch of some base's series
+    series = {c: [p for b in base_names() for p in read_series(load_pin(c, b).series_dir)] for c in COMPONENTS}
     assert M.orphan_probes(probes, series) == []
     for comp in COMPONENTS:
         for patch in series[comp]:
@@ -549,9 +551,10 @@ def test_real_releases_with_a_demonstration_series(tmp_path):
     0001 is upstream's own 0.25.1 -> 0.26.0 change of flash_attn.py (the packed K/V layout), so it
     applies to the pin, reverse-applies to 0.26.0, and conflicts from 0.27.1 on, where upstream kept
     changing the file: there only the probe (_probelib.vllm_packed_kv) can tell it is upstream.
-    0002 adds a comment to vllm/envs.py and applies everywhere.
+    0002 adds a comment to vllm/envs.py and applies everywhere. Run as base 0.25's series (its pin
+    is 0.25.1, where the demonstration patches are made).
     """
-    config = M.load_config()
+    config = M.load_config(base="0.25")
     versions = config.releases["vllm"]
     for v in versions:
         if not any((cache_dir() / "sdists" / n).is_file() for n in M._sdist_names("vllm", v)):
