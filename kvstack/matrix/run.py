@@ -235,9 +235,14 @@ def run_matrix(config: Config, suites: list[str], series: dict, probes_dir: Path
 
 
 def _matches_case(case: TestCase, patterns: list[str]) -> bool:
-    """A junit case's classname (tests.env.lmcache.test_x) or file (tests/env/...) matches a pattern."""
+    """A junit case's classname (tests.env.lmcache.test_x) or file (tests/env/...) matches a pattern
+    and no `!pattern` (an exception to the others)."""
     keys = [case.classname, case.file]
-    return any(fnmatch.fnmatchcase(k, p) for p in patterns for k in keys if k)
+
+    def hit(pats):
+        return any(fnmatch.fnmatchcase(k, p) for p in pats for k in keys if k)
+
+    return hit([p for p in patterns if not p.startswith("!")]) and not hit([p[1:] for p in patterns if p.startswith("!")])
 
 
 def exit_code(doc: dict) -> int:
