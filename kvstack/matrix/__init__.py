@@ -50,8 +50,8 @@ apply
 unit, e2e-cpu, gpu
     Read from results passed to the runner; a cell without results is ``not run``. A file named
     ``tests-<base>.xml`` (what ``make test`` writes per base) fills that base's pinned pair; a
-    suite with ``junit_cases`` in ci/matrix.toml (e2e-cpu: tests/env/) takes the matching cases of
-    a ``unit`` file, and unit keeps the rest.
+    suite with ``junit_cases`` in ci/matrix.toml (e2e-cpu: tests/env/ except upstream's own suite,
+    ``!pattern`` being an exception) takes the matching cases of a ``unit`` file, and unit keeps the rest.
 
 Exit codes of cli.main(): 0 the pinned cells are clean, 1 otherwise, 2 usage.
 """
