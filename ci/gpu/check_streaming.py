@@ -477,7 +477,10 @@ def main(argv=None) -> int:
             "logprobs": args.logprobs, "gpu_memory_utilization": args.gpu_memory_utilization,
             "streaming": {"window_tokens": window, "page_tokens": PAGE,
                           "host_tier_gib": tier_pages * page_bytes / 2**30,
-                          "on_host_tier_full": "wait"},
+                          "on_host_tier_full": "wait",
+                          # on --device cpu too, the windowed path a GPU runs (the CPU engine
+                          # would otherwise attend the host tier in place, cpu_native.py)
+                          "cpu_native_attention": False},
             "cases": cases}
     layers = nope_layers(json.loads((model / "config.json").read_text()))
     print(f"device {args.device}; tiny llama4, NoPE layer(s) {layers}: q/k x{args.qk_scale:g}, "

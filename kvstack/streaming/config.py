@@ -28,9 +28,11 @@ Keys of ``kv_connector_extra_config`` (all optional):
   ``"error"``, its tokens so far kept), and the others go on. ``"max"`` reserves
   ``prompt + max_tokens`` up front, so a request admitted is never failed later, but a server
   request without ``max_tokens`` then reserves all of ``max_model_len``.
-- ``cpu_native_attention`` (default true): on vLLM's CPU backend, a request whose whole history
-  fits in one window is attended by vLLM's own CPU kernel (see ``cpu_native.py``); false forces the
-  windowed torch path everywhere.
+- ``cpu_native_attention`` (default true): on vLLM's CPU backend (and a ``page_tokens`` its kernel
+  takes as a block size: a multiple of 32 on vLLM 0.32, of 16 on 0.25), the host tier is kept in
+  the kernel's cache layout and attended in place by vLLM's own CPU kernel, the whole batch in one
+  call per layer, with no windows (see ``cpu_native.py``); false forces the windowed torch path
+  (what a GPU runs) everywhere. ``window_tokens`` applies to the windowed path only.
 """
 
 from __future__ import annotations

@@ -93,10 +93,10 @@ class StreamingConnector(KVConnectorBase_V1, SupportsHMA):
     # ---- worker side ---------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
         # The device KV of streaming layers is never read back. The model is loaded now: check
-        # its attention layers before the engine serves, and read the features (soft-cap,
-        # sinks, ALiBi) the windowed path must apply.
+        # its attention layers before the engine serves, then pick the path from their backend
+        # and open the host tier (worker_side.prepare).
         check_layers(self._vllm_config, self.layout, self.cfg)
-        self._worker.read_layer_features(self._vllm_config)
+        self._worker.prepare(self._vllm_config)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         # The step starts when its metadata is bound, before the forward, on every vLLM:

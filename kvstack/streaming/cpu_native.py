@@ -1,21 +1,28 @@
-"""CPU fast path for a streaming layer whose history fits in one window.
+"""CPU path: the host tier in vLLM's CPU paged-cache layout, attended in place by vLLM's kernel.
 
-When a request's whole host-tier history (``ctx <= window_tokens``) is attended in one window,
-its attention is plain causal softmax attention over [history; new tokens]: no partial results,
-so no log-sum-exp is needed. Then vLLM's own CPU attention kernel can compute it, through the
-layer's own backend (`CPUAttentionBackendImpl.forward`) on a scratch paged KV cache that holds
-exactly this request: the history window (read from the host tier) and the new tokens. The result
-is what the native backend computes for a request whose KV is all on the device.
+On a CPU engine the host tier and the "device" are the same memory, so the cheapest way to attend
+a request's history is where it lies. The host store then keeps each streaming layer in the CPU
+attention backend's own cache layout (``[pages, kv_heads, page_tokens, 2 * head_size]``,
+`HostStore(layout="cpu_kernel")`), a host page being one kernel block. Per streaming layer and
+step, for all requests of the batch at once:
 
-Longer histories take the windowed path (torch kernels that return the LSE, merged by
-``merge_attn_states``): vLLM's CPU kernel (0.25.1, 0.32.0) does not return the LSE, and a kernel change would
-need a recompile. `attend_one_window` returns False whenever the layer's backend is not vLLM's CPU
-backend, so GPUs always take the windowed path.
+1. the new tokens' K/V are written to their host pages by the backend's own cache write
+   (``do_kv_cache_update`` with the pages' slots);
+2. the backend's ``forward`` attends every request over its whole history + new tokens, with the
+   request's host pages as its block table (causal, exactly what native vLLM computes when all
+   the KV is on the device): no windows, no gathers, no log-sum-exp merge, no Python loop over
+   requests in the kernel call.
+
+`usable` / `fits` decide at start-up (all streaming layers on vLLM's CPU backend, the page size
+one of its kernel block sizes); otherwise, or with ``cpu_native_attention: false``, the
+windowed path (windowed.py, what a GPU runs) attends the history in windows.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from types import SimpleNamespace
+from typing import Any
 
 import torch
 
@@ -35,44 +42,90 @@ def usable(layer) -> bool:
             and getattr(impl, "kv_sharing_target_layer_name", None) is None)
 
 
-def attend_one_window(layer, query: torch.Tensor, hist_k: torch.Tensor | None,
-                      hist_v: torch.Tensor | None, new_k: torch.Tensor, new_v: torch.Tensor,
-                      out: torch.Tensor, block_size: int) -> bool:
-    """Causal attention of ``query`` [T, Hq, D] (positions ctx..ctx+T-1) over the history
-    [ctx, Hkv, D] (None when ctx == 0) and the new K/V [T, Hkv, D], written to ``out`` [T, Hq, D]
-    by vLLM's CPU kernel. Returns False (nothing written) when the layer is not on that backend."""
+def fits(layer, page_tokens: int) -> bool:
+    """The layer is on vLLM's CPU backend, and a host page can be one of its kernel blocks."""
     if not usable(layer):
         return False
+    backend = getattr(layer, "attn_backend", None)
+    if backend is None:
+        return False
+    for size in backend.get_supported_kernel_block_sizes():
+        base = getattr(size, "base", None)  # MultipleOf(n)
+        if (page_tokens % base == 0) if base else page_tokens == size:
+            return True
+    return False
+
+
+@dataclass
+class KernelBatch:
+    """One step's batch of a streaming group as vLLM's CPU kernel takes it: the requests' host
+    pages as block table, their lengths after this step, and the host slots of the new tokens.
+    Built once per step and group (`kernel_batch`), shared by the group's layers."""
+
+    num_tokens: int
+    query_start_loc: torch.Tensor  # int32 [R + 1]
+    seq_lens: torch.Tensor  # int32 [R]
+    block_table: torch.Tensor  # int32 [R, max pages]
+    slot_mapping: torch.Tensor  # int64 [num_tokens]
+    _meta: dict[Any, SimpleNamespace] = field(default_factory=dict)
+
+    def metadata(self, layer, query: torch.Tensor, key: torch.Tensor) -> SimpleNamespace:
+        """The backend's attention metadata for this batch (its scheduler metadata depends on
+        the layer's heads, ISA and KV dtype, the same for every layer of a group)."""
+        impl = layer.impl
+        isa = cpu_attn_isa(layer)
+        hq, (hkv, d) = query.shape[1], key.shape[1:]
+        tag = (hq, hkv, d, isa, query.dtype, impl.sliding_window,
+               getattr(impl, "kv_cache_dtype", None))
+        meta = self._meta.get(tag)
+        if meta is None:
+            meta = self._meta[tag] = SimpleNamespace(
+                num_actual_tokens=self.num_tokens, query_start_loc=self.query_start_loc,
+                seq_lens=self.seq_lens, causal=True, dynamic_causal=None,
+                slot_mapping=self.slot_mapping, block_table=self.block_table,
+                scheduler_metadata=_ops.cpu_attn_get_scheduler_metadata(
+                    num_reqs=self.seq_lens.shape[0], num_heads=hq, num_kv_heads=hkv, head_dim=d,
+                    seq_lens=self.seq_lens, dtype=query.dtype,
+                    query_start_loc=self.query_start_loc, causal=True,
+                    sliding_window_size=impl.sliding_window, isa=isa,
+                    enable_kv_split=_envs.VLLM_CPU_ATTN_SPLIT_KV,
+                    **cpu_scheduler_metadata_kwargs(_ops.cpu_attn_get_scheduler_metadata, impl)),
+                encoder_cache=None)
+        return meta
+
+
+def kernel_batch(segments, page_tokens: int) -> KernelBatch:
+    """`segments`: (first row, last row + 1, ReqStep) per request of the batch, in batch order,
+    contiguous from row 0."""
+    P = page_tokens
+    rows = len(segments)
+    width = max(-(-(r.start + r.num_tokens) // P) for _, _, r in segments)
+    table = torch.zeros(rows, width, dtype=torch.int32)
+    qsl = [0]
+    seq_lens, slots = [], []
+    for i, (a, b, r) in enumerate(segments):
+        end = r.start + r.num_tokens
+        k = -(-end // P)
+        if r.page_array is not None and r.page_array.shape[0] >= k:
+            table[i, :k] = r.page_array[:k]  # the worker's table: no list conversion
+        else:  # sink pages past the table (a request failing this step), or no worker table
+            table[i, :k] = torch.tensor(r.pages[:k], dtype=torch.int32)
+        pos = torch.arange(r.start, end)
+        slots.append(table[i].long()[pos // P] * P + pos % P)
+        qsl.append(b)
+        seq_lens.append(end)
+    return KernelBatch(num_tokens=qsl[-1], query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+                       seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_table=table,
+                       slot_mapping=torch.cat(slots))
+
+
+def attend_in_place(layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    output: torch.Tensor, cache: torch.Tensor, batch: KernelBatch) -> None:
+    """Write the batch's new K/V to their host pages in `cache` (the layer's host-tier tensor,
+    CPU kernel layout), then attend every request over its pages; `output[:num_tokens]` is
+    written."""
     impl = layer.impl
-    T = query.shape[0]
-    if hist_k is not None and hist_k.shape[0]:
-        keys = torch.cat([hist_k.to(new_k.dtype), new_k])
-        values = torch.cat([hist_v.to(new_v.dtype), new_v])
-    else:
-        keys, values = new_k, new_v
-    n = keys.shape[0]
-    num_blocks = -(-n // block_size)
-    hkv, d = new_k.shape[1], new_k.shape[2]
-    cache_dtype = torch.uint8 if impl.is_fp8_kv_cache else new_k.dtype
-    # the backend's own cache shape: [blocks, kv_heads, block_size, 2 * head_size]
-    # zeros: the kernel reads whole blocks, and garbage (NaN) past the last token would leak
-    kv_cache = torch.zeros(num_blocks, hkv, block_size, 2 * d, dtype=cache_dtype)
-    query_start_loc = torch.tensor([0, T], dtype=torch.int32)
-    seq_lens = torch.tensor([n], dtype=torch.int32)
-    slot_mapping = torch.arange(n, dtype=torch.int64)
-    meta = SimpleNamespace(
-        num_actual_tokens=T, query_start_loc=query_start_loc, seq_lens=seq_lens, causal=True,
-        dynamic_causal=None, slot_mapping=slot_mapping,
-        block_table=torch.arange(num_blocks, dtype=torch.int32).unsqueeze(0),
-        scheduler_metadata=_ops.cpu_attn_get_scheduler_metadata(
-            num_reqs=1, num_heads=impl.num_heads, num_kv_heads=hkv, head_dim=d,
-            seq_lens=seq_lens, dtype=query.dtype, query_start_loc=query_start_loc, causal=True,
-            sliding_window_size=impl.sliding_window, isa=cpu_attn_isa(layer),
-            enable_kv_split=_envs.VLLM_CPU_ATTN_SPLIT_KV,
-            **cpu_scheduler_metadata_kwargs(_ops.cpu_attn_get_scheduler_metadata, impl)),
-        encoder_cache=None)
-    # The backend's own cache write, then its attention with no key/value (so forward writes
-    # nothing more, where it would: on every vLLM the cache is written exactly once).
-    impl.do_kv_cache_update(layer, keys, values, kv_cache, slot_mapping)
-    impl.forward(layer, query, None, None, kv_cache, meta, out)
-    return True
+    n = batch.num_tokens
+    impl.do_kv_cache_update(layer, key[:n], value[:n], cache, batch.slot_mapping)
+    # no key/value: forward writes nothing more where it would (the cache is written once)
+    impl.forward(layer, query, None, None, cache, batch.metadata(layer, query, key), output)

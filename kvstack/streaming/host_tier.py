@@ -185,46 +185,65 @@ class PagePool:
 
 
 class HostStore:
-    """K/V pools of the streaming layers (worker side)."""
+    """K/V pools of the streaming layers (worker side), in one of two layouts:
+
+    - ``"tokens"``: a K and a V pool per layer, ``[num_pages, page_tokens, num_kv_heads,
+      head_size]``; `read` gathers token ranges for the windowed path (any device).
+    - ``"cpu_kernel"``: one tensor per layer in vLLM's CPU paged-cache layout, ``[num_pages,
+      num_kv_heads, page_tokens, 2 * head_size]`` (a page is one kernel block), so vLLM's own CPU
+      attention kernel attends a request's history where it lies, given its pages as the block
+      table (cpu_native.py). Written and read through the layer's backend only."""
 
     def __init__(self, layer_names: list[str], num_pages: int, page_tokens: int,
                  num_kv_heads: int, head_size: int, dtype: torch.dtype,
-                 path: str | None = None, pin: bool | None = None):
+                 path: str | None = None, pin: bool | None = None, layout: str = "tokens"):
+        if layout not in ("tokens", "cpu_kernel"):
+            raise ValueError(f"kvstack host tier: unknown layout {layout!r}")
         self.page_tokens = page_tokens
-        shape = (num_pages, page_tokens, num_kv_heads, head_size)
-        numel = num_pages * page_tokens * num_kv_heads * head_size
+        self.layout = layout
+        numel = num_pages * page_tokens * num_kv_heads * head_size  # K (or V) of one layer
         if pin is None:
-            pin = torch.cuda.is_available()
-        self.k: dict[str, torch.Tensor] = {}
-        self.v: dict[str, torch.Tensor] = {}
+            pin = torch.cuda.is_available() and layout == "tokens"
         if path:
             # One memory-mapped file for all pools: more than RAM, paged by the OS.
-            total = numel * 2 * len(layer_names)
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            flat = torch.from_file(path, shared=True, size=total, dtype=dtype)
-            for i, name in enumerate(layer_names):
-                self.k[name] = flat[(2 * i) * numel:(2 * i + 1) * numel].view(shape)
-                self.v[name] = flat[(2 * i + 1) * numel:(2 * i + 2) * numel].view(shape)
+            flat = torch.from_file(path, shared=True, size=2 * numel * len(layer_names),
+                                   dtype=dtype)
+            per_layer = flat.split(2 * numel)
         else:
-            for name in layer_names:
-                self.k[name] = torch.empty(shape, dtype=dtype, pin_memory=pin)
-                self.v[name] = torch.empty(shape, dtype=dtype, pin_memory=pin)
+            # The CPU kernel reads whole blocks and masks the tail: it must hold numbers, never
+            # NaN (a new file is zeros; earlier contents of a kept file are K/V values)
+            alloc = torch.zeros if layout == "cpu_kernel" else torch.empty
+            per_layer = [alloc(2 * numel, dtype=dtype, pin_memory=pin) for _ in layer_names]
+        self.k: dict[str, torch.Tensor] = {}
+        self.v: dict[str, torch.Tensor] = {}
+        self.kv: dict[str, torch.Tensor] = {}
+        for name, mem in zip(layer_names, per_layer):
+            if layout == "tokens":
+                shape = (num_pages, page_tokens, num_kv_heads, head_size)
+                self.k[name], self.v[name] = (x.view(shape) for x in mem.split(numel))
+            else:
+                self.kv[name] = mem.view(num_pages, num_kv_heads, page_tokens, 2 * head_size)
+
+    def slots(self, pages: list[int], start: int, n: int) -> torch.Tensor:
+        """Flat slot (page * page_tokens + offset) of each of tokens [start, start + n)."""
+        P = self.page_tokens
+        pos = torch.arange(start, start + n)
+        first = start // P
+        table = torch.tensor(pages[first:(start + n - 1) // P + 1], dtype=torch.long)
+        return table[pos // P - first] * P + pos % P
 
     def write(self, layer: str, pages: list[int], start: int,
               k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store tokens [start, start + len(k)) of a request."""
-        P = self.page_tokens
+        """Store tokens [start, start + len(k)) of a request ("tokens" layout)."""
         n = k.shape[0]
-        pos = start
-        i = 0
+        if not n:
+            return
+        slots = self.slots(pages, start, n)
         kp, vp = self.k[layer], self.v[layer]
-        while i < n:
-            page, off = divmod(pos, P)
-            take = min(P - off, n - i)
-            kp[pages[page], off:off + take].copy_(k[i:i + take], non_blocking=True)
-            vp[pages[page], off:off + take].copy_(v[i:i + take], non_blocking=True)
-            i += take
-            pos += take
+        # one scatter per pool (from a device: one copy of the step's tokens to the host first)
+        kp.view(-1, *kp.shape[2:]).index_copy_(0, slots, k.to(device="cpu", dtype=kp.dtype))
+        vp.view(-1, *vp.shape[2:]).index_copy_(0, slots, v.to(device="cpu", dtype=vp.dtype))
 
     def read(self, layer: str, pages: list[int], start: int, end: int
              ) -> tuple[torch.Tensor, torch.Tensor]:

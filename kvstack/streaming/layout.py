@@ -19,14 +19,22 @@ if TYPE_CHECKING:
 
 @dataclass
 class ReqStep:
+    """One request's part of a step. Its page table reaches the worker as deltas (vLLM's block
+    tables do the same): the pages added since its last step, so a step costs O(new pages), not
+    O(context)."""
+
     req_id: str
     start: int  # position of the first token computed this step (= tokens already in host)
     num_tokens: int
     anchor_slot: int  # device slot of the first new token in the (first) streaming group
-    pages: list[int]
+    new_pages: list[int]  # pages appended to the request's page table since its last step
     # the same slot in each further streaming group (vLLM splits many streaming layers over
     # several KV cache groups of one spec; each group has its own block table)
     group_anchors: dict[int, int] = field(default_factory=dict)
+    known_pages: int = 0  # pages of the table the worker already holds (before new_pages)
+    sink: list[int] = field(default_factory=list)  # this step's sink pages, past the table
+    pages: list[int] | None = None  # worker side: the whole table + sink (PageTables.apply)
+    page_array: torch.Tensor | None = None  # worker side: the table (no sink), int32
 
     def anchor(self, group: int, first_group: int) -> int:
         return self.anchor_slot if group == first_group else self.group_anchors[group]
@@ -35,6 +43,44 @@ class ReqStep:
 @dataclass
 class StreamingMetadata(KVConnectorMetadata):
     reqs: list[ReqStep] = field(default_factory=list)
+    finished: list[str] = field(default_factory=list)  # tables the worker drops (first)
+
+
+class PageTables:
+    """Worker side: every live request's page table, rebuilt from the steps' deltas, as a list
+    and as an int32 tensor (grown by doubling), so a step costs O(new pages) here too."""
+
+    def __init__(self):
+        self._tables: dict[str, list[int]] = {}
+        self._arrays: dict[str, torch.Tensor] = {}
+
+    def apply(self, meta: StreamingMetadata) -> None:
+        """Drop the finished requests' tables, extend the others, and give each ReqStep of the
+        step its whole table (+ this step's sink pages) as ``pages`` and ``page_array``."""
+        for rid in meta.finished:
+            self._tables.pop(rid, None)
+            self._arrays.pop(rid, None)
+        for r in meta.reqs:
+            table = self._tables.setdefault(r.req_id, [])
+            if len(table) != r.known_pages:
+                raise RuntimeError(
+                    f"kvstack streaming: the page table of request {r.req_id} is out of step: "
+                    f"the worker holds {len(table)} pages, the scheduler sent it {r.known_pages}")
+            n = len(table)
+            table.extend(r.new_pages)
+            array = self._arrays.get(r.req_id)
+            if array is None or array.shape[0] < len(table):
+                grown = torch.empty(max(16, 2 * len(table)), dtype=torch.int32)
+                if array is not None:
+                    grown[:n] = array[:n]
+                array = self._arrays[r.req_id] = grown
+            if r.new_pages:
+                array[n:len(table)] = torch.tensor(r.new_pages, dtype=torch.int32)
+            r.pages = table + r.sink if r.sink else table
+            r.page_array = array[:len(table)]
+
+    def __len__(self) -> int:
+        return len(self._tables)
 
 
 @dataclass(frozen=True)
@@ -52,6 +98,10 @@ class _Layout:
     # every streaming group, and each streaming layer's group (one group: just `group`)
     groups: tuple[int, ...] = ()
     layer_groups: tuple[tuple[str, int], ...] = ()
+    # pages past the page table that a step may hand out as sinks (scheduler_side.build_meta):
+    # where a request that cannot grow writes its last step's K/V, one distinct page each, since
+    # the CPU path attends the new tokens from the pages they were written to
+    sink_pages: int = 1
 
     def all_groups(self) -> tuple[int, ...]:
         return self.groups or (self.group,)
@@ -98,7 +148,10 @@ def _layout(cfg: StreamingConfig, vllm_config: "VllmConfig",
     reuse_ok = len(layers) == in_groups and all(
         isinstance(o, ChunkedLocalAttentionSpec)
         and cfg.page_tokens % o.attention_chunk_size == 0 for o in others)
+    sched = vllm_config.scheduler_config
+    # a step's tokens span at most one page more per request than they fill
+    sink_pages = -(-sched.max_num_batched_tokens // cfg.page_tokens) + sched.max_num_seqs
     return _Layout(group=groups[0], block_size=spec.block_size, layers=layers,
                    num_kv_heads=spec.num_kv_heads, head_size=spec.head_size, dtype=spec.dtype,
                    num_pages=num_pages, reuse_ok=reuse_ok, groups=tuple(groups),
-                   layer_groups=layer_groups)
+                   layer_groups=layer_groups, sink_pages=sink_pages)

@@ -60,6 +60,9 @@ class _SchedulerSide:
         self._blocks: dict[str, dict[int, list[int]]] = {}
         self._prompt_len: dict[str, int] = {}
         self._failed: dict[str, str] = {}  # req_id -> reason, until the scheduler takes it
+        # the worker's copy of each page table: pages sent so far; finished requests to drop
+        self._sent: dict[str, int] = {}
+        self._finished: list[str] = []
         self.max_pages_in_use = 0
 
     def _hashes_of(self, request: "Request") -> list[bytes]:
@@ -158,17 +161,20 @@ class _SchedulerSide:
                 for g in groups:
                     held[g].extend(nb[g])
             steps.append((rid, cr.num_computed_tokens[i]))
+        sinks = 0  # sink pages handed out in this step
         for rid, start in steps:
             n = so.num_scheduled_tokens[rid]
             if not self._grow(rid, start + n):
                 # Decoding past its reservation with no free page: this step's tokens are
-                # still computed right (the new K/V are attended as they are); the K/V that
-                # have no page go to the sink page, and the scheduler fails the request after
-                # this step (take_failed), keeping its output so far.
+                # still computed right; the K/V that have no page go to sink pages (distinct
+                # within the step), and the scheduler fails the request after this step
+                # (take_failed), keeping its output so far.
                 reserved = self._reserved.get(rid, 0) * self.cfg.page_tokens
                 self.pool.ensure(rid, min(start + n, reserved))
-                held = list(self.pool.pages(rid))
-                sink = [self.layout.num_pages] * (self.pool.pages_for(start + n) - len(held))
+                k = self.pool.pages_for(start + n) - len(self.pool.pages(rid))
+                first_sink = self.layout.num_pages + sinks
+                sink = list(range(first_sink, first_sink + k))
+                sinks += k
                 if rid not in self._failed:
                     self.pool.stats.failed_host_tier_full += 1
                 self._failed[rid] = (
@@ -179,7 +185,7 @@ class _SchedulerSide:
                     f"prompt + max_tokens at admission")
                 anchors = self._anchors(rid, start)
                 first = anchors.pop(self.layout.group)
-                meta.reqs.append(ReqStep(rid, start, n, first, held + sink, anchors))
+                meta.reqs.append(self._step(rid, start, n, first, anchors, sink))
                 continue
             try:
                 self.pool.ensure(rid, start + n)
@@ -191,18 +197,30 @@ class _SchedulerSide:
                 raise
             anchors = self._anchors(rid, start)
             first = anchors.pop(self.layout.group)
-            meta.reqs.append(ReqStep(rid, start, n, first, list(self.pool.pages(rid)), anchors))
+            meta.reqs.append(self._step(rid, start, n, first, anchors))
             if self.prefix_reuse:
                 self.pool.register_full_pages(
                     rid, self._hashes.get(rid, []), min(start + n, self._prompt_len.get(rid, 0)))
         self.max_pages_in_use = max(self.max_pages_in_use, self.pool.num_used())
+        meta.finished, self._finished = self._finished, []
         return meta
+
+    def _step(self, rid: str, start: int, n: int, first: int, anchors: dict[int, int],
+              sink: list[int] | None = None) -> ReqStep:
+        """The request's step, with the pages its table gained since it was last sent."""
+        held = self.pool.pages(rid)
+        known = self._sent.get(rid, 0)
+        self._sent[rid] = len(held)
+        return ReqStep(rid, start, n, first, held[known:], anchors, known_pages=known,
+                       sink=sink or [])
 
     def _anchors(self, rid: str, start: int) -> dict[int, int]:
         bs = self.layout.block_size
         return {g: blocks[start // bs] * bs + start % bs for g, blocks in self._blocks[rid].items()}
 
     def finish(self, rid: str) -> None:
+        if self._sent.pop(rid, None) is not None:
+            self._finished.append(rid)  # the worker drops its table at the next step
         self.pool.finish(rid)
         self._reserved.pop(rid, None)
         self._hashes.pop(rid, None)

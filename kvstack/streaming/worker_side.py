@@ -1,5 +1,7 @@
 """Worker side of the streaming connector: the host-tier K/V pools and the attention of the
-streaming layers (history in windows + the new tokens, merged by log-sum-exp)."""
+streaming layers. On vLLM's CPU backend the pools are in the kernel's layout and attended in place
+(cpu_native.py); elsewhere the history is attended in windows + the new tokens, merged by
+log-sum-exp (windowed.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import torch
 from . import cpu_native
 from .config import StreamingConfig
 from .host_tier import HostStore
-from .layout import ReqStep, StreamingMetadata, _Layout
+from .layout import PageTables, ReqStep, StreamingMetadata, _Layout
 from .windowed import Features, windowed_attention
 
 
@@ -17,37 +19,52 @@ class _WorkerSide:
         self.cfg = cfg
         self.layout = layout
         self.layers = frozenset(layout.layers)
-        # one page more than the page table hands out: the sink, where a request that could
-        # not grow writes its last step's K/V (scheduler_side._grow; it is failed after)
-        self.store = HostStore(list(layout.layers), layout.num_pages + 1, cfg.page_tokens,
-                               layout.num_kv_heads, layout.head_size, layout.dtype,
-                               path=cfg.host_tier_path)
+        self.store: HostStore | None = None  # opened in prepare(), once the layers are known
         self._group_of = {name: layout.group_of(name) for name in layout.layers}
+        self.tables = PageTables()  # each request's host pages, kept from the steps' deltas
         self._by_slot: dict[int, dict[int, ReqStep]] = {}  # group -> anchor slot -> request
-        # CPU: one-window histories go through vLLM's own CPU kernel (cpu_native.py); decided
-        # at the first streaming layer (None: not yet), off when the layers use another backend.
-        self._native: bool | None = None if cfg.cpu_native_attention else False
+        self._batches: dict[int, _Batch] = {}  # group -> this step's batch (its first layer's)
+        # CPU backend: the host tier in the kernel's layout, attended in place (cpu_native.py)
+        self.in_place = False
         self._features: dict[str, Features] = {}  # layers whose backend adds to plain softmax
         self._pending: set[str] = set()  # streaming layers not yet computed in this step
 
-    def read_layer_features(self, vllm_config) -> None:
-        """Soft-cap, ALiBi slopes and sinks of each streaming layer's backend (start-up)."""
+    def prepare(self, vllm_config) -> None:
+        """Start-up, once the model is loaded: pick the path from the layers' backend, open the
+        host store in its layout, and read the features (soft-cap, ALiBi slopes, sinks) the
+        windowed path must apply."""
         ctx = vllm_config.compilation_config.static_forward_context
-        for name in self.layout.layers:
-            impl = ctx[name].impl
+        layers = [ctx[name] for name in self.layout.layers]
+        self.in_place = self.cfg.cpu_native_attention and all(
+            cpu_native.fits(layer, self.cfg.page_tokens) for layer in layers)
+        for layer in layers:
+            impl = layer.impl
             alibi = getattr(impl, "alibi_slopes", None)
             if alibi is not None and not isinstance(alibi, torch.Tensor):
                 alibi = torch.tensor(alibi, dtype=torch.float32)
             feat = Features(softcap=float(getattr(impl, "logits_soft_cap", 0) or 0),
                             alibi=alibi, sinks=getattr(impl, "sinks", None))
             if not feat.plain:
-                self._features[name] = feat
+                self._features[layer.layer_name] = feat
+        self._open_store()
+
+    def _open_store(self) -> None:
+        # the sink pages after the page table: where a request that could not grow writes its
+        # last step's K/V (scheduler_side.build_meta; it is failed after)
+        self.store = HostStore(list(self.layout.layers),
+                               self.layout.num_pages + self.layout.sink_pages,
+                               self.cfg.page_tokens, self.layout.num_kv_heads,
+                               self.layout.head_size, self.layout.dtype,
+                               path=self.cfg.host_tier_path,
+                               layout="cpu_kernel" if self.in_place else "tokens")
 
     def begin_step(self, meta: StreamingMetadata) -> None:
+        self.tables.apply(meta)
         self._pending = set(self.layers) if meta.reqs else set()
         first = self.layout.group
         self._by_slot = {g: {r.anchor(g, first): r for r in meta.reqs}
                          for g in self.layout.all_groups()}
+        self._batches = {}
 
     def end_step(self) -> None:
         """After the forward: every streaming layer of a step with tokens must have been
@@ -61,40 +78,62 @@ class _WorkerSide:
                 "or the hooks patch is missing); their output would be wrong. Use cudagraph_mode "
                 "PIECEWISE with attention among the splitting ops, or enforce_eager.")
 
+    def _batch(self, name: str, attn_metadata) -> "_Batch":
+        """The step's requests in batch order, matched once per step and group (one host
+        sync for the batch layout, not one per layer)."""
+        group = self._group_of[name]
+        batch = self._batches.get(group)
+        if batch is not None:
+            return batch
+        qsl = attn_metadata.query_start_loc.tolist()
+        rows = [(qsl[i], qsl[i + 1]) for i in range(len(qsl) - 1) if qsl[i + 1] > qsl[i]]
+        firsts = attn_metadata.slot_mapping[torch.tensor([a for a, _ in rows],
+                                                         dtype=torch.long)].tolist()
+        by_slot = self._by_slot.get(group, {})
+        segments = []
+        for (a, b), slot in zip(rows, firsts):
+            r = by_slot.get(int(slot))
+            if r is None or r.num_tokens != b - a:
+                raise RuntimeError(
+                    f"kvstack streaming: cannot match the batch rows {a}..{b} (slot {int(slot)}, "
+                    f"{b - a} tokens) of {name} to a scheduled request")
+            segments.append((a, b, r))
+        batch = self._batches[group] = _Batch(segments, qsl[-1] if qsl else 0)
+        if self.in_place and segments:
+            batch.kernel = cpu_native.kernel_batch(segments, self.cfg.page_tokens)
+        return batch
+
     def attention(self, layer, query, key, value, output, attn_metadata):
         name = layer.layer_name
         self._pending.discard(name)
-        features = self._features.get(name)
-        qsl = attn_metadata.query_start_loc.tolist()
-        slots = attn_metadata.slot_mapping
-        scale = float(layer.impl.scale)
-        window = self.cfg.window_tokens
-        by_slot = self._by_slot.get(self._group_of[name], {})
-        for i in range(len(qsl) - 1):
-            a, b = qsl[i], qsl[i + 1]
-            if b <= a:
-                continue
-            r = by_slot.get(int(slots[a]))
-            if r is None or r.num_tokens != b - a:
-                raise RuntimeError(
-                    f"kvstack streaming: cannot match batch segment {i} (slot {int(slots[a])}, "
-                    f"{b - a} tokens) of {name} to a scheduled request")
-            pages = r.pages
-            if self._native is None:
-                self._native = cpu_native.usable(layer)
-            if self._native and r.start <= window:
-                # the whole history is one window: vLLM's own CPU kernel, no LSE merge needed
-                hk, hv = self.store.read(name, pages, 0, r.start) if r.start else (None, None)
-                cpu_native.attend_one_window(layer, query[a:b], hk, hv, key[a:b], value[a:b],
-                                             output[a:b], self.layout.block_size)
-            else:
+        if self.store is None:
+            self._open_store()  # a worker used without prepare(): the windowed path
+        batch = self._batch(name, attn_metadata)
+        if batch.kernel is not None:
+            cpu_native.attend_in_place(layer, query, key, value, output, self.store.kv[name],
+                                       batch.kernel)
+        else:
+            features = self._features.get(name)
+            scale = float(layer.impl.scale)
+            window = self.cfg.window_tokens
+            for a, b, r in batch.segments:
 
-                def history(s, e, _p=pages):
+                def history(s, e, _p=r.pages):
                     return self.store.read(name, _p, s, e)
 
                 windowed_attention(query[a:b], key[a:b], value[a:b], history, r.start, window,
                                    scale, out=output[a:b], features=features)
-            self.store.write(name, pages, r.start, key[a:b], value[a:b])
-        if qsl[-1] < output.shape[0]:
-            output[qsl[-1]:].zero_()
+                self.store.write(name, r.pages, r.start, key[a:b], value[a:b])
+        if batch.num_tokens < output.shape[0]:
+            output[batch.num_tokens:].zero_()
         return output
+
+
+class _Batch:
+    """A step's batch as a streaming group sees it: (first row, end row, request) per request,
+    the rows in use, and for the in-place CPU path the kernel's view of it."""
+
+    def __init__(self, segments: list[tuple[int, int, ReqStep]], num_tokens: int):
+        self.segments = segments
+        self.num_tokens = num_tokens
+        self.kernel: cpu_native.KernelBatch | None = None

@@ -1,9 +1,11 @@
-"""The CPU fast path (kvstack/streaming/cpu_native.py): a history that fits in one window is
-attended by vLLM's own CPU kernel through the layer's backend, on a scratch cache.
+"""The CPU path (kvstack/streaming/cpu_native.py): the host tier in vLLM's CPU cache layout,
+attended in place by vLLM's own CPU kernel through the layer's backend, all requests of a batch in
+one call, their host pages as block table.
 
-Pinned here: the kernel call equals softmax attention over [history; new] (random data, the real
-layer of a running engine), and an engine whose every history fits in one window produces the
-greedy tokens of native vLLM."""
+Pinned here: on random data and the real layer of a running engine, a batch of requests with
+scattered pages equals softmax attention over [history; new] per request, and the new tokens land
+in their pages; off the CPU backend (or with a page the kernel cannot take as a block) the path is
+not used; an engine on this path produces the greedy tokens of native vLLM."""
 
 import pytest
 import torch
@@ -41,34 +43,60 @@ def _layer(llm):
     return ctx[NOPE]
 
 
-@pytest.mark.parametrize("ctx,new", [(0, 37), (50, 37), (64, 1), (300, 5)])
-def test_kernel_equals_softmax_over_history_and_new(streaming, ctx, new):
+def test_batch_in_place_equals_softmax_over_history_and_new(streaming):
     from kvstack.streaming import cpu_native
+    from kvstack.streaming.host_tier import HostStore
+    from kvstack.streaming.layout import ReqStep
     from kvstack.streaming.windowed import attend_reference
 
     layer = _layer(streaming)
-    assert cpu_native.usable(layer)
-    torch.manual_seed(ctx + new)
-    hq, hkv, d = 4, 2, 32
-    q = torch.randn(new, hq, d).bfloat16()
-    k = torch.randn(ctx + new, hkv, d).bfloat16()
-    v = torch.randn(ctx + new, hkv, d).bfloat16()
-    out = torch.full((new, hq, d), float("nan"), dtype=torch.bfloat16)
-    hk, hv = (k[:ctx], v[:ctx]) if ctx else (None, None)
-    assert cpu_native.attend_one_window(layer, q, hk, hv, k[ctx:], v[ctx:], out, block_size=32)
-    ref, _ = attend_reference(q, k, v, float(layer.impl.scale), causal_offset=ctx)
-    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+    assert cpu_native.fits(layer, 32)
+    torch.manual_seed(0)
+    hq, hkv, d, P = 4, 2, 32, 32
+    store = HostStore([NOPE], 16, P, hkv, d, torch.bfloat16, layout="cpu_kernel")
+    # (history, new tokens, pages): scattered and out-of-order pages, a page shared by no one
+    cases = [(0, 37, [5, 2]), (50, 37, [9, 0, 14, 3]), (64, 1, [7, 11, 1]),
+             (200, 5, [15, 13, 12, 10, 8, 6, 4])]
+    kv = {}
+    for ctx, new, pages in cases:  # the history: written as earlier steps would have
+        kv[ctx] = tuple(torch.randn(ctx + new, hkv, d).bfloat16() for _ in "kv")
+        if ctx:
+            hist = ReqStep("h", 0, ctx, 0, pages, pages=pages)
+            b = cpu_native.kernel_batch([(0, ctx, hist)], P)
+            layer.impl.do_kv_cache_update(layer, kv[ctx][0][:ctx], kv[ctx][1][:ctx],
+                                          store.kv[NOPE], b.slot_mapping)
+    segments, rows, qs, ks, vs = [], 0, [], [], []
+    for i, (ctx, new, pages) in enumerate(cases):
+        segments.append((rows, rows + new, ReqStep(f"r{i}", ctx, new, 0, pages, pages=pages)))
+        rows += new
+        qs.append(torch.randn(new, hq, d).bfloat16())
+        ks.append(kv[ctx][0][ctx:])
+        vs.append(kv[ctx][1][ctx:])
+    batch = cpu_native.kernel_batch(segments, P)
+    out = torch.full((rows + 3, hq, d), float("nan"), dtype=torch.bfloat16)  # 3 padding rows
+    cpu_native.attend_in_place(layer, torch.cat(qs + [qs[0][:3]]), torch.cat(ks + [ks[0][:3]]),
+                               torch.cat(vs + [vs[0][:3]]), out, store.kv[NOPE], batch)
+    for (a, b, r), q in zip(segments, qs):
+        k, v = kv[r.start]
+        ref, _ = attend_reference(q, k, v, float(layer.impl.scale), causal_offset=r.start)
+        torch.testing.assert_close(out[a:b].float(), ref, atol=2e-2, rtol=2e-2)
+    # negative control: a wrong page in one block table row changes that request's output
+    batch.block_table[1, 0] = 15
+    again = torch.zeros_like(out)
+    cpu_native.attend_in_place(layer, torch.cat(qs + [qs[0][:3]]), torch.cat(ks + [ks[0][:3]]),
+                               torch.cat(vs + [vs[0][:3]]), again, store.kv[NOPE], batch)
+    a, b, _ = segments[1]
+    assert not torch.allclose(again[a:b].float(), out[a:b].float(), atol=2e-2)
 
 
-def test_not_used_off_the_cpu_backend():
+def test_not_used_off_the_cpu_backend_or_with_a_page_the_kernel_cannot_take(streaming):
     from types import SimpleNamespace
 
     from kvstack.streaming import cpu_native
 
     assert not cpu_native.usable(SimpleNamespace(impl=object()))
-    out = torch.zeros(1, 4, 32)
-    assert not cpu_native.attend_one_window(SimpleNamespace(impl=object()), out, None, None,
-                                            torch.zeros(1, 2, 32), torch.zeros(1, 2, 32), out, 32)
+    assert not cpu_native.fits(SimpleNamespace(impl=object()), 32)
+    assert not cpu_native.fits(_layer(streaming), 8)  # no CPU kernel takes blocks of 8 tokens
 
 
 def test_one_window_engine_matches_native(streaming, reference):

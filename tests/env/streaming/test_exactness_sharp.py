@@ -91,9 +91,15 @@ def native(model):
         close(llm)
 
 
-@pytest.fixture(scope="module")
-def streaming(model, native):
-    llm = make_llm_from(model, streaming=STREAMING, **BUDGET)
+# Both ways the connector attends the history: in place by vLLM's CPU kernel (cpu_native.py, the
+# default on a CPU engine) and in windows merged by LSE (windowed.py, what a GPU runs).
+PATHS = {"in_place": {}, "windowed": {"cpu_native_attention": False}}
+
+
+@pytest.fixture(scope="module", params=list(PATHS))
+def streaming(request, model, native):
+    llm = make_llm_from(model, streaming={**STREAMING, **PATHS[request.param]}, **BUDGET)
+    llm.kvstack_path = request.param
     yield llm
     close(llm)
 
@@ -162,25 +168,40 @@ def test_prefix_reuse_batch_matches_native(streaming, native):
 
 
 def test_broken_host_tier_read_is_detected(streaming, native, monkeypatch):
-    """(c) The connector itself mutated: `HostStore.read` loses the first page (its K/V read as
-    zeros: a wrong page index for page 0). The comparison with native must then fail; with the
-    read restored the engine again gives the native result (the tier itself was never damaged)."""
+    """(c) The connector itself mutated: its read of the host tier loses the first page (a wrong
+    page index for page 0: read as zeros by the windowed path, taken from an unused sink page by
+    the in-place path). The comparison with native must then fail; with the read restored the
+    engine again gives the native result (the tier itself was never damaged)."""
+    from kvstack.streaming import cpu_native
     from kvstack.streaming.host_tier import HostStore
 
-    real_read = HostStore.read
     calls = []
+    if streaming.kvstack_path == "windowed":
+        real_read = HostStore.read
 
-    def read_losing_page_0(self, layer, pages, start, end):
-        k, v = real_read(self, layer, pages, start, end)
-        lost = max(0, min(end, self.page_tokens) - start)
-        if lost:
-            calls.append((start, end))
-            k, v = k.clone(), v.clone()
-            k[:lost] = 0
-            v[:lost] = 0
-        return k, v
+        def read_losing_page_0(self, layer, pages, start, end):
+            k, v = real_read(self, layer, pages, start, end)
+            lost = max(0, min(end, self.page_tokens) - start)
+            if lost:
+                calls.append((start, end))
+                k, v = k.clone(), v.clone()
+                k[:lost] = 0
+                v[:lost] = 0
+            return k, v
 
-    monkeypatch.setattr(HostStore, "read", read_losing_page_0)
+        monkeypatch.setattr(HostStore, "read", read_losing_page_0)
+    else:
+        real_batch = cpu_native.kernel_batch
+        unused = scheduler_connector(streaming).layout.num_pages  # the first sink page
+
+        def batch_losing_page_0(segments, page_tokens):
+            batch = real_batch(segments, page_tokens)  # the writes' slots stay right
+            calls.append(batch.block_table[:, 0].tolist())
+            batch.block_table = batch.block_table.clone()
+            batch.block_table[:, 0] = unused
+            return batch
+
+        monkeypatch.setattr(cpu_native, "kernel_batch", batch_losing_page_0)
     (broken,) = run(streaming, "long_ctl")
     monkeypatch.undo()
     assert calls, "the mutated read was never called"

@@ -21,6 +21,17 @@ def _side(num_pages=8, page=4, prefix_reuse=True, on_full="wait"):
     return _SchedulerSide(cfg, layout, vc)
 
 
+def _meta(s, out):
+    """The step's metadata as the worker sees it: page tables rebuilt from the deltas."""
+    from kvstack.streaming.layout import PageTables
+
+    m = s.build_meta(out)
+    if not hasattr(s, "worker_tables"):
+        s.worker_tables = PageTables()
+    s.worker_tables.apply(m)
+    return m
+
+
 def _req(rid, n, max_tokens=4, salt=0):
     return SimpleNamespace(request_id=rid, num_prompt_tokens=n, max_tokens=max_tokens,
                            prompt_token_ids=[salt * 100 + i for i in range(n)])
@@ -45,17 +56,18 @@ def test_admission_anchor_preemption_and_free():
     assert s.get_num_new_matched_tokens(b, 0) == (None, False)  # needs 5, 4 left: wait
     assert s.pool.stats.waited_for_space == 1
     # step 1: a prefills 8 tokens in blocks [5, 9] of the streaming group
-    m = s.build_meta(_out(new=[("a", [5, 9, 2], 0)], sched={"a": 8}))
+    m = _meta(s, _out(new=[("a", [5, 9, 2], 0)], sched={"a": 8}))
     (r,) = m.reqs
     assert (r.start, r.num_tokens, r.anchor_slot, len(r.pages)) == (0, 8, 5 * 4, 2)
     # step 2: a continues at position 8 -> third block (2), offset 0
-    (r,) = s.build_meta(_out(cached=[("a", None, 8)], sched={"a": 2})).reqs
+    (r,) = _meta(s, _out(cached=[("a", None, 8)], sched={"a": 2})).reqs
     assert r.anchor_slot == 2 * 4 and len(r.pages) == 3
     # preempted and resumed: all its blocks are new, it recomputes from 0, keeps its pages
     pages = list(r.pages)
     assert s.get_num_new_matched_tokens(a, 0) == (0, False)
-    (r,) = s.build_meta(_out(cached=[("a", [7, 3, 6], 0)], resumed=["a"], sched={"a": 10})).reqs
-    assert r.anchor_slot == 7 * 4 and r.pages == pages
+    (r,) = _meta(s, _out(cached=[("a", [7, 3, 6], 0)], resumed=["a"],
+                         sched={"a": 10})).reqs
+    assert r.anchor_slot == 7 * 4 and r.pages == pages and r.new_pages == []
     s.finish("a")
     st = s.stats()
     assert st["pages_in_use"] == 0 and st["live_requests"] == 0
@@ -209,10 +221,10 @@ def test_requests_reserve_part_of_their_output_and_grow_or_fail_alone():
         assert s.get_num_new_matched_tokens(r, 0) == (0, False)  # 4 + 3 pages reserved
         s.update_state_after_alloc(r, 0)
     blocks = list(range(100))
-    s.build_meta(_out(new=[("a", blocks, 0), ("b", blocks, 0)], sched={"a": 8, "b": 4}))
+    _meta(s, _out(new=[("a", blocks, 0), ("b", blocks, 0)], sched={"a": 8, "b": 4}))
     done = {"a": 8, "b": 4}
     for _ in range(20):  # decode one token each; a grows into the last free page, then b cannot
-        m = s.build_meta(_out(cached=[("a", None, done["a"]), ("b", None, done["b"])],
+        m = _meta(s, _out(cached=[("a", None, done["a"]), ("b", None, done["b"])],
                               sched={"a": 1, "b": 1}))
         failed = s.take_failed()
         for r in m.reqs:
@@ -222,7 +234,8 @@ def test_requests_reserve_part_of_their_output_and_grow_or_fail_alone():
     assert list(failed) == ["b"] and "host tier full while decoding" in failed["b"]
     assert "decode_reserve_tokens" in failed["b"]
     step_b = next(r for r in m.reqs if r.req_id == "b")
-    assert step_b.pages[-1] == layout.num_pages  # the sink: no page of the table is touched
+    assert step_b.sink == [layout.num_pages]  # a sink page: no page of the table is touched
+    assert step_b.pages[-1] == layout.num_pages
     s.finish("b")
     assert s.pool.num_available() >= s._outstanding()
     assert s.stats()["failed_host_tier_full"] == 1
@@ -242,3 +255,34 @@ def test_reserve_max_refuses_the_second_long_request_at_admission():
     with pytest.raises(ValueError, match="decode_reserve_tokens"):
         StreamingConfig.from_extra({"decode_reserve_tokens": "lots"})
     assert StreamingConfig.from_extra({"decode_reserve_tokens": "max"}).decode_reserve_tokens is None
+
+
+def test_page_tables_reach_the_worker_as_deltas():
+    """Each step carries only the pages a request's table gained (O(new pages), not O(context));
+    the worker's tables, rebuilt from them, equal the scheduler's; finished requests' tables are
+    dropped at the next step; a table out of step is a clear error, never a wrong page."""
+    from kvstack.streaming.layout import PageTables, ReqStep, StreamingMetadata
+
+    s = _side(num_pages=16)
+    a, b = _req("a", 20), _req("b", 5, salt=2)
+    for r in (a, b):
+        s.get_num_new_matched_tokens(r, 0)
+        s.update_state_after_alloc(r, 0)
+    blocks = list(range(100))
+    m = _meta(s, _out(new=[("a", blocks, 0), ("b", blocks, 0)], sched={"a": 8, "b": 5}))
+    assert [(r.known_pages, len(r.new_pages)) for r in m.reqs] == [(0, 2), (0, 2)]
+    done = {"a": 8, "b": 5}
+    for _ in range(3):  # a prefills 4 tokens a step (one new page each), b decodes in its page
+        m = _meta(s, _out(cached=[("a", None, done["a"]), ("b", None, done["b"])],
+                          sched={"a": 4, "b": 1}))
+        for r in m.reqs:
+            assert r.pages == s.pool.pages(r.req_id)  # the worker's view equals the scheduler's
+            done[r.req_id] += {"a": 4, "b": 1}[r.req_id]
+        ra, rb = m.reqs
+        assert len(ra.new_pages) == 1 and ra.known_pages == len(ra.pages) - 1
+        assert rb.new_pages == []
+    s.finish("b")
+    m = _meta(s, _out(cached=[("a", None, done["a"])], sched={"a": 1}))
+    assert m.finished == ["b"] and len(s.worker_tables) == 1
+    with pytest.raises(RuntimeError, match="page table of request x is out of step"):
+        PageTables().apply(StreamingMetadata(reqs=[ReqStep("x", 8, 1, 0, [3], known_pages=2)]))
