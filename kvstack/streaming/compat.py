@@ -7,6 +7,7 @@ kvstack.streaming is the same code on both; version-independent changes (e.g. be
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any
 
@@ -33,7 +34,8 @@ def cpu_scheduler_metadata_kwargs(get_scheduler_metadata: Any, impl: Any) -> dic
     return {"kv_cache_dtype": impl.kv_cache_dtype} if "kv_cache_dtype" in params else {}
 
 
-def _parameters(fn: Any) -> frozenset[str]:
+@functools.lru_cache(maxsize=None)
+def _parameters(fn: Any) -> frozenset[str]:  # once per function: called every step
     try:
         return frozenset(inspect.signature(fn).parameters)
     except (TypeError, ValueError):

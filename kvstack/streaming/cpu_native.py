@@ -98,25 +98,28 @@ def kernel_batch(segments, page_tokens: int) -> KernelBatch:
     """`segments`: (first row, last row + 1, ReqStep) per request of the batch, in batch order,
     contiguous from row 0."""
     P = page_tokens
-    rows = len(segments)
-    width = max(-(-(r.start + r.num_tokens) // P) for _, _, r in segments)
-    table = torch.zeros(rows, width, dtype=torch.int32)
-    qsl = [0]
-    seq_lens, slots = [], []
-    for i, (a, b, r) in enumerate(segments):
-        end = r.start + r.num_tokens
-        k = -(-end // P)
+    ends = [r.start + r.num_tokens for _, _, r in segments]
+    used = [-(-end // P) for end in ends]
+    table = torch.zeros(len(segments), max(used), dtype=torch.int32)
+    for i, (_, _, r) in enumerate(segments):
+        k = used[i]
         if r.page_array is not None and r.page_array.shape[0] >= k:
             table[i, :k] = r.page_array[:k]  # the worker's table: no list conversion
         else:  # sink pages past the table (a request failing this step), or no worker table
             table[i, :k] = torch.tensor(r.pages[:k], dtype=torch.int32)
-        pos = torch.arange(r.start, end)
-        slots.append(table[i].long()[pos // P] * P + pos % P)
-        qsl.append(b)
-        seq_lens.append(end)
+    # slot of each new token: its request's page at pos // P, offset pos % P
+    if segments[-1][1] <= 64:  # few new tokens (decode): plain lists are quicker
+        slots = torch.tensor([r.pages[p // P] * P + p % P for (_, _, r), e in zip(segments, ends)
+                              for p in range(r.start, e)], dtype=torch.long)
+    else:
+        row = torch.repeat_interleave(torch.arange(len(segments)),
+                                      torch.tensor([r.num_tokens for _, _, r in segments]))
+        pos = torch.cat([torch.arange(r.start, e) for (_, _, r), e in zip(segments, ends)])
+        slots = table[row, pos // P].long() * P + pos % P
+    qsl = [0] + [b for _, b, _ in segments]
     return KernelBatch(num_tokens=qsl[-1], query_start_loc=torch.tensor(qsl, dtype=torch.int32),
-                       seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_table=table,
-                       slot_mapping=torch.cat(slots))
+                       seq_lens=torch.tensor(ends, dtype=torch.int32), block_table=table,
+                       slot_mapping=slots)
 
 
 def attend_in_place(layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
