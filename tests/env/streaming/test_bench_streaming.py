@@ -1,0 +1,51 @@
+"""bench/streaming.py, the README's streaming benchmark, run end to end at small sizes: every
+section (offline TTFT and TPOT, `vllm serve` + `vllm bench serve`, device KV and the largest
+context at a fixed budget, prefix reuse) runs, prints its figure lines, and the last line carries
+them all. The ratios are not judged here (timings belong to the bench, not to tests); what is
+judged is what does not depend on timing: greedy tokens equal to native, flat device KV, and the
+context served beyond what native vLLM admits at the same budget."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from streaming_helpers import needs_hooks
+
+pytestmark = [pytest.mark.env, pytest.mark.slow, needs_hooks]
+
+REPO = Path(__file__).resolve().parents[3]
+SMALL = ["--rounds", "1", "--reps", "1", "--ttft-context", "1500", "--ttft-batched-tokens", "512",
+         "--tpot-context", "1200", "--tpot-tokens", "4", "--serve-prompts", "4",
+         "--serve-lens", "600", "--serve-rounds", "1", "--max-multiple", "4",
+         "--reuse-prefix", "512"]
+
+
+@pytest.fixture(scope="module")
+def run():
+    res = subprocess.run([sys.executable, str(REPO / "bench" / "streaming.py"), *SMALL],
+                         cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return res.stdout
+
+
+def test_every_section_prints_its_figures_and_the_result_line(run):
+    lines = run.strip().splitlines()
+    for tag in ("(1) TTFT", "(2) TPOT", "(3) serving", "(4) peak device KV", "(5) device KV budget",
+                "(6) prefix reuse"):
+        assert any(line.startswith(tag) for line in lines), (tag, run)
+    assert lines[-1].startswith("RESULT ")
+    kv = dict(item.split("=", 1) for item in lines[-1][len("RESULT "):].split())
+    for key in ("ttft_24k", "ttft_24k_windowed", "tpot_8k", "serve_600_reqps", "device_kv_kib",
+                "max_context_ratio", "prefix_reuse_speedup"):
+        assert key in kv and "FAILED" not in kv[key], (key, lines[-1])
+
+
+def test_what_does_not_depend_on_timing(run):
+    kv = dict(item.split("=", 1) for item in run.strip().splitlines()[-1][len("RESULT "):].split())
+    assert kv["ttft_tokens"] == "equal" and kv["tpot_tokens"] == "equal"
+    assert kv["device_kv_flat"] == "1.00"
+    assert int(kv["kvstack_served"]) > int(kv["native_max_len"])
