@@ -25,8 +25,10 @@ SMALL = ["--rounds", "1", "--reps", "1", "--ttft-context", "1500", "--ttft-batch
 
 
 @pytest.fixture(scope="module")
-def run():
-    res = subprocess.run([sys.executable, str(REPO / "bench" / "streaming.py"), *SMALL],
+def run(tmp_path_factory):
+    tier = tmp_path_factory.mktemp("bench") / "tier.bin"  # the README's file-backed host tier
+    res = subprocess.run([sys.executable, str(REPO / "bench" / "streaming.py"), *SMALL,
+                          "--host-tier-path", str(tier)],
                          cwd=REPO, capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return res.stdout
@@ -49,3 +51,4 @@ def test_what_does_not_depend_on_timing(run):
     assert kv["ttft_tokens"] == "equal" and kv["tpot_tokens"] == "equal"
     assert kv["device_kv_flat"] == "1.00"
     assert int(kv["kvstack_served"]) > int(kv["native_max_len"])
+    assert any(line.startswith("(5)") and "tier.bin" in line for line in run.splitlines())
