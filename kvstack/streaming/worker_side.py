@@ -79,8 +79,8 @@ class _WorkerSide:
                 "PIECEWISE with attention among the splitting ops, or enforce_eager.")
 
     def _batch(self, name: str, attn_metadata) -> "_Batch":
-        """The step's requests in batch order, matched once per step and group (one host
-        sync for the batch layout, not one per layer)."""
+        """The step's requests in batch order, matched once per step and group (two host
+        syncs for the batch layout, not one per layer and request)."""
         group = self._group_of[name]
         batch = self._batches.get(group)
         if batch is not None:
@@ -106,8 +106,6 @@ class _WorkerSide:
     def attention(self, layer, query, key, value, output, attn_metadata):
         name = layer.layer_name
         self._pending.discard(name)
-        if self.store is None:
-            self._open_store()  # a worker used without prepare(): the windowed path
         batch = self._batch(name, attn_metadata)
         if batch.kernel is not None:
             cpu_native.attend_in_place(layer, query, key, value, output, self.store.kv[name],
