@@ -67,6 +67,44 @@ def describe(t, base_ptr: int) -> dict:
             "stride": list(t.stride()), "dtype": str(t.dtype)}
 
 
+def transfer_regions(runner, ctx) -> dict | None:
+    """What a P/D connector (NIXL, Mooncake) would register for this engine's caches, with the
+    backend list vLLM builds for it (get_current_attn_backends: every layer's backend in layer
+    order, so a hybrid model's Mamba/GDN backend comes first). None where the ladder's transfer
+    functions are absent (0.25.1)."""
+    import torch
+    from vllm.distributed.kv_transfer.kv_connector import utils as kv_utils
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    if not hasattr(kv_utils, "mamba_transfer_region"):
+        return None
+    config = runner.kv_cache_config
+    out: dict = {}
+    try:
+        topo = kv_utils.TransferTopology(
+            tp_rank=0, tp_size=1, block_size=runner.cache_config.block_size, engine_id="e2e",
+            is_mla=False, is_mamba=config.has_mamba_layers,
+            total_num_kv_heads=runner.model_config.get_total_num_kv_heads(),
+            attn_backends=kv_utils.get_current_attn_backends(runner.vllm_config))
+        out["layout"] = topo.kv_cache_layout_kind
+        for group in config.kv_cache_groups:
+            for name in group.layer_names:
+                cache = ctx[name].kv_cache
+                if isinstance(group.kv_cache_spec, MambaSpec):
+                    # what the runner hands a connector: the layer's page tensor (the
+                    # runner's cache that starts where the layer's first state view does)
+                    cache = next(c for c in runner.kv_caches if isinstance(c, torch.Tensor)
+                                 and c.data_ptr() == cache[0].data_ptr()
+                                 and c.dtype == torch.int8)
+                    regions = [kv_utils.mamba_transfer_region(cache, group.kv_cache_spec)]
+                else:
+                    regions = topo.attention_transfer_regions(cache)
+                out[name] = [[r.data_ptr(), r.stride(0) * r.element_size()] for r in regions]
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
 def main(name: str, model_dir: str, out: str) -> None:
     install_overlay()
     sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
@@ -77,6 +115,8 @@ def main(name: str, model_dir: str, out: str) -> None:
     from vllm import LLM, SamplingParams
     from vllm.v1.kv_cache_interface import AttentionSpec, MambaSpec
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
 
     if _OVERLAY:
         import vllm.v1.worker.gpu_model_runner as gmr
@@ -117,6 +157,8 @@ def main(name: str, model_dir: str, out: str) -> None:
         for c in runner.kv_caches
     ]
     result = {
+        "attn_backends": [b.get_name() for b in get_current_attn_backends(runner.vllm_config)],
+        "transfer_regions": transfer_regions(runner, ctx),
         "tokens": tokens,
         "runner_class": type(runner).__name__,
         "reshape_inherited": (type(runner)._reshape_kv_cache_tensors

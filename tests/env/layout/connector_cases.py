@@ -509,3 +509,157 @@ def test_offloading_packed_registration(order):
         assert tuple(canon.tensor.shape) == (NUM_BLOCKS, BLOCK_BYTES)
         assert canon.tensor.stride() == (BLOCK_BYTES, 1)
         assert canon.page_size_bytes == BLOCK_BYTES
+
+
+# ---- Hybrid models: the backend list vLLM really builds (Mamba/GDN backend first) --------
+#
+# get_current_attn_backends() lists the distinct backends of every AttentionLayerBase in
+# layer order. In Qwen3-Next (GDN), Nemotron-H (Mamba2) and Jamba (Mamba1) the first layer is
+# a Mamba-like one, so the list starts with a backend that has no get_kv_cache_shape
+# (NotImplementedError); the attention backend comes after it. test_bind_kv_cache's end-to-end
+# run checks that order on the tiny Qwen3-Next engine.
+
+HYBRID_MAMBA = {  # model family -> its Mamba-like backend (vLLM 0.25.1's own classes)
+    "qwen3next": ("vllm.v1.attention.backends.gdn_attn", "GDNAttentionBackend"),
+    "nemotron_h": ("vllm.v1.attention.backends.mamba2_attn", "Mamba2AttentionBackend"),
+    "jamba": ("vllm.v1.attention.backends.mamba1_attn", "Mamba1AttentionBackend"),
+}
+
+
+def mamba_backend(family: str):
+    import importlib
+
+    module, name = HYBRID_MAMBA[family]
+    return getattr(importlib.import_module(module), name)
+
+
+def hybrid_topo(backends) -> TransferTopology:
+    return TransferTopology(
+        tp_rank=0, tp_size=1, block_size=BLOCK_SIZE, engine_id="local", is_mla=False,
+        is_mamba=True, total_num_kv_heads=NUM_HEADS, attn_backends=list(backends),
+        tensor_shape=None)
+
+
+def hybrid_spec(page_bytes: int = BLOCK_BYTES) -> MambaSpec:
+    """A GDN-like state pair padded to the attention page, as the hybrid allocator does."""
+    return MambaSpec(block_size=BLOCK_SIZE, shapes=((3, 16), (2, 8)),
+                     dtypes=(torch.bfloat16, torch.float32), page_size_padded=page_bytes)
+
+
+HYBRID_CONV_BYTES, HYBRID_SSM_BYTES = 3 * 16 * 2, 2 * 8 * 4
+
+
+def hybrid_mamba_views(raw: torch.Tensor, spec: MambaSpec) -> list[torch.Tensor]:
+    """The [conv, ssm] views vLLM 0.25.1's runner builds over a layer's raw int8 pages."""
+    views, offset = [], 0
+    page = spec.page_size_bytes
+    num_blocks = raw.numel() // page
+    for shape, dtype in zip(spec.shapes, spec.dtypes):
+        size = torch.empty((), dtype=dtype).element_size()
+        inner = torch.empty(shape).stride()
+        views.append(torch.as_strided(raw.view(dtype), (num_blocks, *shape),
+                                      (page // size, *inner), offset // size))
+        offset += torch.Size(shape).numel() * size
+    return views
+
+
+@pytest.mark.parametrize("family", sorted(HYBRID_MAMBA))
+def test_topology_hybrid_real_backends_mamba_first(family):
+    """The layout comes from the attention backends, not from the Mamba backend listed first
+    (which cannot answer get_kv_cache_shape)."""
+    mamba = mamba_backend(family)
+    with pytest.raises(NotImplementedError):
+        mamba.get_kv_cache_shape(1, 16, 1, 1)
+    packed = hybrid_topo([mamba, real_backend("CPU_ATTN")])
+    assert packed.kv_cache_layout_kind == "packed" and packed.is_kv_packed
+    assert packed.virtually_split_kv_in_blocks and not packed.split_attn_blocks_into_kv_halves
+    # a 0.25.1 5-D attention backend after it keeps 0.25.1's hybrid handling
+    legacy = hybrid_topo([mamba, real_backend("FLASH_ATTN")])
+    assert legacy.kv_cache_layout_kind == "blocks_first"
+    assert legacy.split_attn_blocks_into_kv_halves
+    # a Mamba-only model (no attention backend at all) is accepted, as before
+    assert hybrid_topo([mamba]).kv_cache_layout_kind == "blocks_first"
+
+
+@pytest.mark.parametrize("family", sorted(HYBRID_MAMBA))
+def test_regions_hybrid_real_backends(family):
+    t = hybrid_topo([mamba_backend(family), real_backend("CPU_ATTN")])
+    cache = packed_cache("HND")
+    assert t.get_transfer_cache_regions(cache, SPEC) == [cache]
+
+
+def test_topology_refuses_attention_backends_that_disagree():
+    """Two attention backends with different layouts cannot share one transfer plan: refused
+    when the topology is built, whichever comes first (and whatever Mamba backend leads)."""
+    for backends in ([PackedBackend, BlocksFirstBackend], [BlocksFirstBackend, PackedBackend]):
+        with pytest.raises(ValueError, match="mixing KV cache layouts"):
+            TransferTopology(
+                tp_rank=0, tp_size=1, block_size=BLOCK_SIZE, engine_id="local", is_mla=False,
+                is_mamba=False, total_num_kv_heads=NUM_HEADS, attn_backends=backends)
+    with pytest.raises(ValueError, match="mixing KV cache layouts"):
+        hybrid_topo([mamba_backend("qwen3next"), real_backend("CPU_ATTN"),
+                     real_backend("FLASH_ATTN")])
+    # the same backend twice (e.g. two layer types on one backend) is one layout
+    assert hybrid_topo([mamba_backend("qwen3next"), PackedBackend, real_backend("CPU_ATTN")]
+                       ).kv_cache_layout_kind == "packed"
+
+
+@pytest.mark.parametrize("family", sorted(HYBRID_MAMBA))
+def test_nixl_hybrid_real_backends(family):
+    """NIXL registration of a hybrid model with the backend list vLLM builds for it: attention
+    and Mamba layers share one pooled tensor (one region), the packed attention view is one
+    whole-block descriptor per block, the Mamba view ([conv, ssm] at this patch) conv and ssm
+    descriptors at their offsets in the page."""
+    spec = hybrid_spec()
+    raw = torch.zeros(NUM_BLOCKS * BLOCK_BYTES, dtype=torch.int8)
+    attn = raw.view(DTYPE).view(NUM_BLOCKS, NUM_HEADS, BLOCK_SIZE, 2 * HEAD_SIZE)
+    mamba_name, attn_name = "model.layers.0.linear_attn", "model.layers.3.self_attn.attn"
+    caches = {mamba_name: hybrid_mamba_views(raw, spec), attn_name: attn}
+    specs = {mamba_name: spec, attn_name: SPEC}
+    config = KVCacheConfig(
+        num_blocks=NUM_BLOCKS,
+        kv_cache_tensors=[KVCacheTensor(size=raw.numel(), shared_by=list(caches))],
+        kv_cache_groups=[KVCacheGroupSpec([mamba_name], spec),
+                         KVCacheGroupSpec([attn_name], SPEC)])
+    backend = real_backend("CPU_ATTN")
+    w = nixl_worker(
+        mamba_backend(family), caches, attn_backends=[mamba_backend(family), backend],
+        _has_mamba=True, kv_cache_config=config, _layer_specs=specs,
+        _group_spec_types=[MambaSpec, type(SPEC)],
+        _mamba_ssm_size=(HYBRID_CONV_BYTES, HYBRID_SSM_BYTES),
+        _conv_decomp=SimpleNamespace(local_conv_offsets=[(0, HYBRID_CONV_BYTES)]))
+    assert w.transfer_topo.is_kv_packed
+    assert [(base, length) for base, length, _dev, _ in reg_descs(w)] == [
+        (raw.data_ptr(), NUM_BLOCKS * BLOCK_BYTES)]
+    assert w.block_len_per_layer == [BLOCK_BYTES] and w.num_regions == 1
+    base = raw.data_ptr()
+    whole = [(base + b * BLOCK_BYTES, BLOCK_BYTES, 0) for b in range(NUM_BLOCKS)]
+    conv = [(base + b * BLOCK_BYTES, HYBRID_CONV_BYTES, 0) for b in range(NUM_BLOCKS)]
+    ssm = [(base + b * BLOCK_BYTES + HYBRID_CONV_BYTES, HYBRID_SSM_BYTES, 0)
+           for b in range(NUM_BLOCKS)]
+    assert xfer_descs(w) == whole + conv + ssm
+
+
+@pytest.mark.parametrize("family", sorted(HYBRID_MAMBA))
+def test_mooncake_hybrid_real_backends(family):
+    """Mooncake registration of a hybrid model with the backend list vLLM builds for it: one
+    region per layer, the packed attention block whole (never split into K/V halves)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake import mooncake_connector as mc
+
+    spec = hybrid_spec()
+    raw = torch.zeros(NUM_BLOCKS * BLOCK_BYTES, dtype=torch.int8)
+    attn = packed_cache("NHD")
+    mamba_name, attn_name = "model.layers.0.linear_attn", "model.layers.3.self_attn.attn"
+    w = object.__new__(mc.MooncakeConnectorWorker)
+    for k, v in dict(
+            use_mla=False,
+            transfer_topo=hybrid_topo([mamba_backend(family), real_backend("CPU_ATTN")]),
+            _layer_specs={mamba_name: spec, attn_name: SPEC},
+            _layer_group_indices={mamba_name: 0, attn_name: 1}, engine=MagicMock(),
+            is_kv_consumer=True, is_kv_producer=True, async_zmq_ctx=MagicMock()).items():
+        setattr(w, k, v)
+    w.engine.batch_register_memory.return_value = 0
+    w.register_kv_caches({mamba_name: hybrid_mamba_views(raw, spec), attn_name: attn})
+    assert w.kv_caches_base_addr == [raw.data_ptr(), attn.data_ptr()]
+    assert w.block_len_per_layer == [BLOCK_BYTES, BLOCK_BYTES]
+    assert w.kv_block_len_per_layer == [BLOCK_BYTES, BLOCK_BYTES]  # whole blocks

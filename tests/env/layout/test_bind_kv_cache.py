@@ -160,6 +160,31 @@ def test_e2e_mamba_views_are_0251s(e2e):
         k: strip_ptr([v]) for k, v in unpatched["attention"].items()}
 
 
+def test_e2e_hybrid_backend_list_and_transfer_regions(e2e):
+    """The backend list vLLM builds for the tiny Qwen3-Next starts with the GDN backend (its
+    first layer is a GDN layer), then the attention backend. With that list a P/D connector's
+    TransferTopology finds the packed attention layout and every cache of the engine gets its
+    one region (attention: the layer's packed tensor; GDN: the layer's page tensor, block
+    stride = the page). Before the fix the GDN backend was probed, the layout stayed
+    blocks-first and the packed attention cache was refused ("mixing KV cache layouts")."""
+    patched = e2e["qwen3next"]["patched"]
+    backends = patched["attn_backends"]
+    assert backends[0] == "GDN_ATTN" and "CPU_ATTN" in backends, backends
+    regions = patched["transfer_regions"]
+    assert "error" not in regions, regions["error"]
+    assert regions["layout"] == "packed"
+    layers = {**patched["mamba"], **patched["attention"]}
+    assert sorted(k for k in regions if k != "layout") == sorted(layers)
+    for name, layer in patched["mamba"].items():
+        assert regions[name] == [[layer["views"][0]["data_ptr"], layer["page_size_bytes"]]], name
+    for name, view in patched["attention"].items():
+        assert [r[0] for r in regions[name]] == [view["data_ptr"]], name
+    llama = e2e["llama"]["patched"]
+    assert llama["attn_backends"] == ["CPU_ATTN"]
+    assert llama["transfer_regions"]["layout"] == "packed", llama["transfer_regions"]
+    assert e2e["qwen3next"]["unpatched"]["transfer_regions"] is None  # 0.25.1: no such API
+
+
 def test_e2e_runner_binds_one_tensor_per_layer(e2e):
     """The CPU runner inherits the patched _reshape_kv_cache_tensors: with the patch every
     runner KV cache is one tensor, Mamba pages (num_blocks, 1, 1, page) int8 starting at the
