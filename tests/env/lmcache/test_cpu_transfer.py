@@ -257,3 +257,49 @@ def test_create_gpu_connector_has_a_cpu_branch():
     for a, b in zip(layers, target):
         pages = slice(1, 3)  # slots 4..11 = blocks 1 and 2
         assert torch.equal(_bits(a[pages]), _bits(b[pages]))
+
+
+def _vllm_cpu_write(cache, k, v, slots, isa):
+    """vLLM's own CPU attention write (as its backend's forward calls it)."""
+    ops = pytest.importorskip("vllm._custom_ops")
+    nb, nh, bs, _ = cache.shape
+    key_cache, value_cache = cache.view(nb, nh, bs * 2, -1).chunk(2, dim=2)
+    try:
+        ops.cpu_attn_reshape_and_cache(k, value=v, key_cache=key_cache, value_cache=value_cache,
+                                       slot_mapping=slots, isa=isa)
+    except (RuntimeError, NotImplementedError) as e:  # an ISA this build lacks
+        pytest.skip(f"vLLM's CPU reshape_and_cache has no {isa!r} path here: {e}")
+
+
+@pytest.mark.parametrize("head_size", [32, 64])
+def test_amx_packed_cpu_layout_matches_vllm_amx_kernel(head_size):
+    """vLLM's AMX kernel (bf16, block size a multiple of 32, AMX CPU: Sapphire Rapids and later)
+    packs K in 16-token groups of 32-bit words and V in token pairs (csrc/cpu/cpu_attn_amx.hpp).
+    Ground truth is vLLM's own reshape_and_cache with isa="amx": LMCache's CPU path must read what
+    it wrote and write byte-identical tiles; the vec layout's reading (cpu_amx=False) is the
+    negative control and must differ."""
+    nb, nh, bs, n = 4, 2, 32, 40
+    g = torch.Generator().manual_seed(12)
+    k = torch.randn(n, nh, head_size, generator=g).to(torch.bfloat16)
+    v = torch.randn(n, nh, head_size, generator=g).to(torch.bfloat16)
+    slots = torch.randperm(nb * bs, generator=g)[:n].to(torch.long)
+    by_vllm = torch.zeros(nb, nh, bs, 2 * head_size, dtype=torch.bfloat16)
+    _vllm_cpu_write(by_vllm, k, v, slots, "amx")
+    assert by_vllm.count_nonzero() > 0
+
+    def transfer(mem, cache, direction, amx):
+        torch_ops.multi_layer_kv_transfer(mem, [cache], slots, torch.device("cpu"), nb * bs,
+                                          direction, F.NL_X_NB_NH_BS_CS, block_size=bs,
+                                          head_size=head_size, cpu_amx=amx)
+
+    want = torch.stack([k.reshape(n, -1), v.reshape(n, -1)]).unsqueeze(1)  # [2, 1, n, NH*HS]
+    got = torch.zeros_like(want)
+    transfer(got, by_vllm, TransferDirection.D2H, True)
+    assert torch.equal(_bits(got), _bits(want))
+    as_vec = torch.zeros_like(want)
+    transfer(as_vec, by_vllm, TransferDirection.D2H, False)
+    assert not torch.equal(_bits(as_vec), _bits(want))  # negative control
+
+    by_lmcache = torch.zeros_like(by_vllm)
+    transfer(want, by_lmcache, TransferDirection.H2D, True)
+    assert torch.equal(_bits(by_lmcache), _bits(by_vllm))
