@@ -1,13 +1,28 @@
-"""Repeat-prompt TTFT of a hybrid model (Qwen3-Next layout) on the CPU engine, with and without LMCache.
+"""Repeat-prompt TTFT of a hybrid model (Qwen3-Next layout) on the CPU engine: every way to reuse it.
 
-    .venv/bin/python bench/hybrid_repeat.py [--prompt-tokens 4096] [--hidden 768] [--layers 16]
+    .venv/bin/python bench/hybrid_repeat.py                     # defaults: 343 MiB model, 4096 tokens
+    .venv/bin/python bench/hybrid_repeat.py --prompt-tokens 512 --hidden 128 --layers 4   # small
 
-Builds a random-weight Qwen3NextForCausalLM (3 gated delta-net layers per full-attention layer,
-343 MiB of bf16 weights at the defaults) under build/bench-models/, then, each in a fresh
-process: (a) no KV connector: a warm-up prompt of the same length, the prompt, then the same prompt again, timing the second;
-(b) LMCacheConnectorV1 with a local CPU backend: a warm-up prompt, the prompt (stored, hybrid state saved), the
-engine's KV cache zeroed, the same prompt again, timing the second (loaded: K/V + hybrid state).
-TTFT = wall time of a generate() with max_tokens=1. Prints both and the ratio (the headline).
+Builds a random-weight Qwen3NextForCausalLM (3 gated delta-net layers per full-attention layer)
+under build/bench-models/, then measures, each figure in its own engine process(es), all in one run:
+
+ 1. recompute       no KV connector, no prefix cache: the repeat is computed again (the baseline).
+ 2. vllm-cache      vLLM's own hybrid prefix caching (enable_prefix_caching, mamba_cache_mode="align"),
+                    the repeat in the same engine (what a user already has, one process only).
+ 3. lmcache-inproc  in-process LMCacheConnectorV1 (kvstack's patched adapter) with an `lmcache_server`
+                    on 127.0.0.1 as the only store: engine A computes the prompt and exits; a NEW engine
+                    B (its own empty LMCACHE_HYBRID_STATE_DIR, nothing shared but the server) serves it.
+ 4. lmcache-mp      LMCache's multi-process route: `python -m lmcache.v1.multiprocess.server` on
+                    127.0.0.1 + LMCacheMPConnector (align mode): engine A, then a NEW engine B.
+ 5. lmcache+vllm    one engine with LMCacheConnectorV1 AND vLLM's prefix cache (align), repeat TTFT
+                    compared with 2 (must not be slower).
+
+TTFT = wall time of generate(max_tokens=1) after a warm-up prompt of the same length in the same
+process. Tokens: the 8 greedy tokens of the repeat (served from the route's cache) must equal the
+recompute run's ("equal"/"DIFFER" per route). A route that cannot run prints "n/a (<why>)".
+The last line, `RESULT ...`, carries every figure: seconds of the recompute repeat, then each
+route's repeat TTFT as a speed-up ratio over recompute (x), 5 also over 2.
+Exit status: 0, or 2 when a route that ran produced different tokens.
 """
 
 from __future__ import annotations
@@ -15,13 +30,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+ROUTES = ("recompute", "vllm-cache", "lmcache-inproc", "lmcache-mp", "lmcache+vllm")
+CHECK_TOKENS = 8
 
 
 def build_model(dest: Path, hidden: int, layers: int) -> Path:
@@ -47,82 +69,274 @@ def build_model(dest: Path, hidden: int, layers: int) -> Path:
     return dest
 
 
+# ------------------------------------------------------------------------------------------
+# Engine process
+# ------------------------------------------------------------------------------------------
+
 def child(args) -> None:
+    """One engine process. --role: what this process does (see main)."""
     from kvstack.testbed.tiny_models import apply_engine_env
 
     apply_engine_env()
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
+    role = args.role
+    align = role in ("apc", "mp-a", "mp-b", "lmc-apc")
     kw = dict(model=args.model_dir, tokenizer=args.model_dir, dtype="bfloat16",
               mamba_ssm_cache_dtype="float32", max_model_len=args.prompt_tokens + 64,
               max_num_batched_tokens=args.step, max_num_seqs=1, enforce_eager=True, seed=0,
-              enable_prefix_caching=False)
-    if args.mode == "lmcache":
+              enable_prefix_caching=align)
+    if align:
+        # vLLM caches hybrid prefixes in whole blocks; one block per step (LMCache's MP connector
+        # asks for block_size <= max_num_batched_tokens < 2 * block_size on 0.5.3).
+        kw.update(mamba_cache_mode="align", block_size=args.step)
+    if role in ("lmc-a", "lmc-b", "lmc-apc"):
         kw["kv_transfer_config"] = KVTransferConfig(kv_connector="LMCacheConnectorV1", kv_role="kv_both")
-    llm = LLM(**kw)
+    elif role in ("mp-a", "mp-b"):
+        kw["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="LMCacheMPConnector", kv_role="kv_both",
+            kv_connector_extra_config={"lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": args.port,
+                                       "lmcache.mp.mq_timeout": 60})
+    try:
+        llm = LLM(**kw)
+    except Exception as exc:
+        print(json.dumps({"error": f"{type(exc).__name__}: {exc}"}), flush=True)
+        os._exit(3)
+    try:
+        _measure(args, llm, SamplingParams)
+    except BaseException as exc:  # an engine that died must not leave this process hanging
+        print(json.dumps({"error": f"{type(exc).__name__}: {exc}"}), flush=True)
+        os._exit(3)
+
+
+def _measure(args, llm, SamplingParams) -> None:
+    role = args.role
     prompt = [(i * 7919) % 900 + 3 for i in range(args.prompt_tokens)]
-    sp = SamplingParams(temperature=0, max_tokens=1)
-    # Warm-up on another prompt of the same length: the first prefill of a size pays one-time costs.
     warm = [(i * 104729) % 900 + 3 for i in range(args.prompt_tokens)]
-    llm.generate([{"prompt_token_ids": warm}], sp, use_tqdm=False)
-    t0 = time.perf_counter()
-    first = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)
-    cold = time.perf_counter() - t0
-    runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
-    for kv in runner.kv_caches:  # a repeat must not find anything in the engine itself
-        for t in (kv if isinstance(kv, (list, tuple)) else [kv]):
-            t.zero_()
-    t0 = time.perf_counter()
-    second = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)
-    repeat = time.perf_counter() - t0
-    print(json.dumps({"mode": args.mode, "cold_s": cold, "repeat_s": repeat,
-                      "first": list(first[0].outputs[0].token_ids),
-                      "second": list(second[0].outputs[0].token_ids)}), flush=True)
-    os._exit(0)
+    one = SamplingParams(temperature=0, max_tokens=1)
+    check = SamplingParams(temperature=0, max_tokens=CHECK_TOKENS)
+
+    def gen(p, sp):
+        t0 = time.perf_counter()
+        out = llm.generate([{"prompt_token_ids": p}], sp, use_tqdm=False)[0]
+        return time.perf_counter() - t0, list(out.outputs[0].token_ids), int(out.num_cached_tokens or 0)
+
+    res = {"role": role, "block_size": llm.llm_engine.vllm_config.cache_config.block_size}
+    # Warm-up on another prompt of the same length: the first prefill of a size pays one-time costs.
+    gen(warm, one)
+    if role in ("lmc-a", "mp-a"):  # compute and store the prompt, then leave
+        res["cold_s"], res["tokens"], _ = gen(prompt, check)
+        print(json.dumps(res), flush=True)
+        time.sleep(args.flush_s)  # puts to the server are asynchronous
+        os._exit(0)
+    if role in ("recompute", "apc", "lmc-apc"):  # the prompt once, then the timed repeat
+        res["cold_s"], res["first_tokens"], _ = gen(prompt, check)
+    if role == "mp-b":
+        llm.reset_prefix_cache()  # the warm-up left nothing of the prompt, but be explicit
+    res["repeat_s"], _, res["cached"] = gen(prompt, one)
+    if role == "mp-b":
+        llm.reset_prefix_cache()  # the token check must be served by LMCache too
+    _, res["tokens"], res["check_cached"] = gen(prompt, check)
+    print(json.dumps(res), flush=True)
+    if role in ("lmc-b", "lmc-apc"):
+        time.sleep(1.0)
+    os._exit(0)  # in-process LMCache engines do not exit on their own (docs/hybrid-lmcache.md)
+
+
+# ------------------------------------------------------------------------------------------
+# Driver
+# ------------------------------------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def _server(cmd: list[str], port: int, log: Path, env: dict):
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited ({proc.returncode}): {log.read_text()[-2000:]}")
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"server not listening: {log.read_text()[-2000:]}")
+                time.sleep(0.2)
+        yield proc
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=10)
+        except ProcessLookupError:
+            pass
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+
+
+def _why(text: str) -> str:
+    """The line of an engine's output that says why it failed."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    for ln in reversed(lines):
+        if ln.startswith("{") and '"error"' in ln:
+            return json.loads(ln)["error"]
+    for ln in reversed(lines):
+        if "Error" in ln or "error" in ln:
+            return ln[-300:]
+    return lines[-1][-300:] if lines else "no output"
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--prompt-tokens", type=int, default=4096)
-    ap.add_argument("--hidden", type=int, default=768)
-    ap.add_argument("--layers", type=int, default=16)
-    ap.add_argument("--chunk", type=int, default=256, help="LMCache chunk size")
-    ap.add_argument("--step", type=int, default=256,
-                    help="max_num_batched_tokens, a multiple of --chunk (hybrid state is saved at step "
-                         "boundaries, so step == chunk lets a repeat reuse all but the last chunk)")
-    ap.add_argument("--mode", choices=["none", "lmcache"], help=argparse.SUPPRESS)
+    ap.add_argument("--prompt-tokens", type=int, default=4096, help="prompt length (default 4096)")
+    ap.add_argument("--hidden", type=int, default=768, help="model hidden size (default 768: 343 MiB)")
+    ap.add_argument("--layers", type=int, default=16, help="layers, a multiple of 4 (default 16)")
+    ap.add_argument("--chunk", type=int, default=256, help="LMCache chunk size of the in-process route")
+    ap.add_argument("--step", type=int, default=512,
+                    help="max_num_batched_tokens of every engine (the same for all routes), a multiple of "
+                         "--chunk; also the block size of the align-mode engines (routes 2, 4, 5) and the "
+                         "chunk size of the MP server, so it must hold the model's Mamba page (default 512)")
+    ap.add_argument("--routes", default=",".join(ROUTES), help=f"comma-separated subset of {','.join(ROUTES)}")
+    ap.add_argument("--share-hybrid-state-dir", action="store_true",
+                    default=os.environ.get("KVSTACK_BENCH_SHARE_STATE_DIR") == "1",
+                    help="route 3: let engines A and B share one LMCACHE_HYBRID_STATE_DIR (env "
+                         "KVSTACK_BENCH_SHARE_STATE_DIR=1). Off by default: B must find everything in the "
+                         "server; this knob is for checks until the hybrid state lives in LMCache's storage")
+    ap.add_argument("--flush-s", type=float, default=3.0, help="seconds engine A waits for its puts")
+    ap.add_argument("--engine-timeout", type=float, default=900, help="seconds per engine process")
+    ap.add_argument("--model-root", default=str(REPO / "build" / "bench-models"))
+    ap.add_argument("--role", help=argparse.SUPPRESS)
     ap.add_argument("--model-dir", help=argparse.SUPPRESS)
+    ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.mode:
+    if args.role:
         child(args)
         return 0
-    model = build_model(REPO / "build" / "bench-models" / f"qwen3next-h{args.hidden}-l{args.layers}",
-                        args.hidden, args.layers)
+    if args.step % args.chunk:
+        ap.error("--step must be a multiple of --chunk")
+    routes = [r.strip() for r in args.routes.split(",") if r.strip()]
+    bad = [r for r in routes if r not in ROUTES]
+    if bad:
+        ap.error(f"unknown routes {bad}")
+    if "recompute" not in routes:
+        routes.insert(0, "recompute")  # every ratio is against it
+    model = build_model(Path(args.model_root) / f"qwen3next-h{args.hidden}-l{args.layers}", args.hidden, args.layers)
     size = sum(p.stat().st_size for p in model.glob("*.safetensors"))
-    print(f"model: {model} ({size / 2**20:.0f} MiB of weights), prompt {args.prompt_tokens} tokens")
-    results = {}
-    state_dir = REPO / "build" / "bench-models" / "hybrid-state"
-    for mode in ("none", "lmcache"):
-        env = {**os.environ, "PYTHONHASHSEED": "0", "LMCACHE_CHUNK_SIZE": str(args.chunk),
-               "LMCACHE_LOCAL_CPU": "True", "LMCACHE_MAX_LOCAL_CPU_SIZE": "4",
-               "LMCACHE_HYBRID_STATE_DIR": str(state_dir), "LMCACHE_DISABLE_BANNER": "1"}
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
-        cmd = [sys.executable, __file__, "--mode", mode, "--model-dir", str(model),
-               "--prompt-tokens", str(args.prompt_tokens), "--step", str(args.step)]
-        res = subprocess.run(cmd, capture_output=True, text=True, env=env)
-        line = [ln for ln in res.stdout.splitlines() if ln.startswith("{")]
-        if not line:
-            print(res.stdout[-3000:], res.stderr[-3000:])
-            return 1
-        results[mode] = json.loads(line[-1])
-        r = results[mode]
-        print(f"{mode:8s} cold TTFT {r['cold_s']:.3f} s, repeat TTFT {r['repeat_s']:.3f} s")
-    same = results["none"]["second"] == results["lmcache"]["second"]
-    ratio = results["none"]["repeat_s"] / results["lmcache"]["repeat_s"]
-    print(f"repeat TTFT without LMCache / with LMCache hybrid restore: {ratio:.2f}x "
-          f"(first tokens {'equal' if same else 'DIFFER'})")
-    return 0 if same else 2
+    print(f"model: {model} ({size / 2**20:.0f} MiB of weights), prompt {args.prompt_tokens} tokens, "
+          f"step {args.step}, LMCache chunk {args.chunk}", flush=True)
+    work = Path(tempfile.mkdtemp(prefix="hybrid-repeat-"))
+    base_env = {**os.environ, "PYTHONHASHSEED": "0", "LMCACHE_DISABLE_BANNER": "1", "LMCACHE_TRACK_USAGE": "false",
+                "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1"}
+    base_env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+
+    def engine(role: str, env_extra: dict | None = None, port: int = 0) -> dict:
+        cmd = [sys.executable, __file__, "--role", role, "--model-dir", str(model), "--prompt-tokens",
+               str(args.prompt_tokens), "--step", str(args.step), "--port", str(port),
+               "--flush-s", str(args.flush_s), "--chunk", str(args.chunk)]
+        try:
+            res = subprocess.run(cmd, capture_output=True, text=True, env={**base_env, **(env_extra or {})},
+                                 timeout=args.engine_timeout)
+        except subprocess.TimeoutExpired as exc:
+            tail = ((exc.stdout or b"").decode(errors="replace") + "\n" + (exc.stderr or b"").decode(errors="replace"))
+            (work / f"{role}.log").write_text(tail[-20000:])
+            raise RuntimeError(f"engine {role} did not finish in {args.engine_timeout} s: {_why(tail)}")
+        lines = [ln for ln in res.stdout.splitlines() if ln.startswith("{")]
+        out = json.loads(lines[-1]) if lines else {}
+        if res.returncode != 0 or "error" in out or not out:
+            tail = (res.stdout + "\n" + res.stderr)[-20000:]
+            (work / f"{role}.log").write_text(tail)
+            raise RuntimeError(out.get("error") or f"engine {role} exited {res.returncode}: {_why(tail)}")
+        return out
+
+    results: dict[str, dict] = {}
+
+    def run_route(name, fn):
+        try:
+            results[name] = fn()
+        except Exception as exc:  # a route that cannot run is reported, the others go on
+            results[name] = {"na": " ".join(str(exc).split())[:400]}
+
+    def lmc_env(port: int, state_dir: Path) -> dict:
+        return {"LMCACHE_CHUNK_SIZE": str(args.chunk), "LMCACHE_LOCAL_CPU": "False",
+                "LMCACHE_MAX_LOCAL_CPU_SIZE": "1", "LMCACHE_REMOTE_URL": f"lm://127.0.0.1:{port}",
+                "LMCACHE_REMOTE_SERDE": "naive", "LMCACHE_HYBRID_STATE_DIR": str(state_dir)}
+
+    def route_inproc():
+        port = _free_port()
+        server = [str(Path(sys.executable).with_name("lmcache_server")), "127.0.0.1", str(port)]
+        with _server(server, port, work / "lmcache_server.log", base_env):
+            shared = work / "state-shared"
+            a = engine("lmc-a", lmc_env(port, shared if args.share_hybrid_state_dir else work / "state-a"))
+            b = engine("lmc-b", lmc_env(port, shared if args.share_hybrid_state_dir else work / "state-b"))
+        b["a_tokens"] = a["tokens"]
+        return b
+
+    def route_mp():
+        port = _free_port()
+        server = [sys.executable, "-m", "lmcache.v1.multiprocess.server", "--host", "127.0.0.1", "--port",
+                  str(port), "--chunk-size", str(args.step), "--l1-size-gb", "2", "--eviction-policy", "LRU",
+                  "--supported-transfer-mode", "auto", "--disable-observability"]
+        with _server(server, port, work / "mp_server.log", base_env):
+            a = engine("mp-a", port=port)
+            b = engine("mp-b", port=port)
+        b["a_tokens"] = a["tokens"]
+        return b
+
+    plan = {
+        "recompute": lambda: engine("recompute"),
+        "vllm-cache": lambda: engine("apc"),
+        "lmcache-inproc": route_inproc,
+        "lmcache-mp": route_mp,
+        "lmcache+vllm": lambda: engine("lmc-apc", {"LMCACHE_CHUNK_SIZE": str(args.chunk), "LMCACHE_LOCAL_CPU": "True",
+                                                   "LMCACHE_MAX_LOCAL_CPU_SIZE": "4",
+                                                   "LMCACHE_HYBRID_STATE_DIR": str(work / "state-apc")}),
+    }
+    for name in routes:
+        run_route(name, plan[name])
+        r = results[name]
+        if "na" in r:
+            print(f"{name:15s} n/a ({r['na']})", flush=True)
+        else:
+            print(f"{name:15s} repeat TTFT {r['repeat_s']:.3f} s ({r['cached']} tokens cached, block "
+                  f"{r['block_size']})", flush=True)
+
+    base = results["recompute"]
+    if "na" in base:
+        print(f"RESULT recompute=n/a ({base['na']})")
+        return 1
+    ref = base["first_tokens"]
+    differ = False
+    fields = [f"recompute_s={base['repeat_s']:.3f}"]
+    for name in routes[1:]:
+        r = results[name]
+        key = name.replace("+", "_plus_").replace("-", "_")
+        if "na" in r:
+            fields.append(f"{key}=n/a")
+            continue
+        same = r["tokens"] == ref and r.get("a_tokens", ref) == ref and r.get("first_tokens", ref) == ref
+        differ |= not same
+        ratio = base["repeat_s"] / r["repeat_s"]
+        line = f"{name}: repeat TTFT {r['repeat_s']:.3f} s = {ratio:.2f}x vs recompute"
+        if name == "lmcache+vllm" and "na" not in results.get("vllm-cache", {"na": 1}):
+            vs = results["vllm-cache"]["repeat_s"] / r["repeat_s"]
+            line += f", {vs:.2f}x vs vllm-cache"
+            fields.append(f"{key}_vs_vllm_cache={vs:.2f}x")
+        print(f"{line}; first tokens {'equal' if same else 'DIFFER'}", flush=True)
+        fields.append(f"{key}={ratio:.2f}x({'equal' if same else 'DIFFER'},cached={r['cached']})")
+    for name in routes[1:]:
+        if "na" in results[name]:
+            print(f"{name}: n/a ({results[name]['na']})", flush=True)
+    print(f"logs of failed engines: {work}" if any("na" in r for r in results.values()) else "", flush=True)
+    print("RESULT " + " ".join(fields), flush=True)
+    return 2 if differ else 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,53 @@
+"""Smoke test of bench/hybrid_repeat.py at tiny sizes on the current base.
+
+Runs the real bench (real engines, a real lmcache_server and LMCache MP server on 127.0.0.1) and
+checks only what does not depend on timing: every route that ran gave the recompute run's tokens,
+and the RESULT line carries every figure (a number, or n/a with the reason printed above it).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+pytest.importorskip("lmcache")
+
+REPO = Path(__file__).resolve().parents[3]
+BENCH = REPO / "bench" / "hybrid_repeat.py"
+KEYS = ("vllm_cache", "lmcache_inproc", "lmcache_mp", "lmcache_plus_vllm")
+
+
+def test_bench_hybrid_repeat_small(tmp_path):
+    env = {**os.environ, "PYTHONHASHSEED": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    res = subprocess.run([sys.executable, str(BENCH), "--prompt-tokens", "512", "--hidden", "128",
+                          "--layers", "4", "--step", "256", "--chunk", "256", "--flush-s", "2", "--engine-timeout", "240",
+                          "--model-root", str(tmp_path / "models")],
+                         capture_output=True, text=True, env=env, timeout=600)
+    out = res.stdout
+    if res.returncode in (-signal.SIGILL, 128 + signal.SIGILL) or "SIGILL" in out:
+        pytest.skip("vLLM cannot run Qwen3-Next on this host (SIGILL in the CPU GDN kernel)")
+    assert res.returncode == 0, f"bench failed ({res.returncode}):\n{out[-4000:]}\n{res.stderr[-4000:]}"
+    result = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
+    assert result, out
+    fields = dict(f.split("=", 1) for f in result[-1].split()[1:])
+    assert re.fullmatch(r"\d+\.\d+", fields["recompute_s"]), result
+    for key in KEYS:
+        assert key in fields, (key, result)
+        value = fields[key]
+        if value == "n/a":  # the reason is on the route's own line
+            name = {"vllm_cache": "vllm-cache", "lmcache_inproc": "lmcache-inproc",
+                    "lmcache_mp": "lmcache-mp", "lmcache_plus_vllm": "lmcache+vllm"}[key]
+            assert re.search(rf"^{re.escape(name)}:? +n/a \(.+\)", out, re.M), (name, out)
+        else:
+            assert re.fullmatch(r"\d+\.\d+x\(equal,cached=\d+\)", value), (key, value)
+    assert "DIFFER" not in out
+    # vLLM's own hybrid prefix cache runs on the CPU engine and hits.
+    assert fields["vllm_cache"] != "n/a", out
+    assert int(re.search(r"cached=(\d+)", fields["vllm_cache"]).group(1)) > 0
