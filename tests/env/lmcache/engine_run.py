@@ -2,6 +2,7 @@
 
     python engine_run.py --model qwen3next --model-dir DIR [--lmcache] [--wipe] --prompts P.json
                          [--max-tokens N] [--max-num-batched-tokens N] [--max-model-len N]
+                         [--kill-pgid PGID [--kill-before N]]
 
 Used by the tests (one engine per process, as a user would run it; tests/env/server takes its
 offline reference tokens from it). LMCache's backend is chosen
@@ -19,6 +20,7 @@ import json
 import logging
 import os
 import re
+import signal
 import sys
 import time
 from pathlib import Path
@@ -51,6 +53,10 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--max-num-batched-tokens", type=int, default=64)
     ap.add_argument("--max-model-len", type=int, default=None, help="default: llm_kwargs' (512)")
+    ap.add_argument("--kill-pgid", type=int, default=None,
+                    help="SIGKILL this process group (a backend server) mid-run, before prompt "
+                         "--kill-before")
+    ap.add_argument("--kill-before", type=int, default=1)
     args = ap.parse_args(argv)
 
     apply_engine_env()
@@ -89,7 +95,10 @@ def main(argv=None) -> int:
     prompts = json.loads(Path(args.prompts).read_text())
     sp = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     tokens, hits, restored = [], [], []
-    for p in prompts:
+    for n, p in enumerate(prompts):
+        if args.kill_pgid is not None and n == args.kill_before:
+            os.killpg(args.kill_pgid, signal.SIGKILL)
+            time.sleep(0.5)
         if args.wipe:
             runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
             for kv in runner.kv_caches:
