@@ -31,7 +31,6 @@ import importlib.util
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -510,14 +509,11 @@ def streaming_part(runner: Runner, model_dir: Path, rep: Report) -> None:
 
 def lmcache_part(runner: Runner, model_dir: Path, work: Path, rep: Report, overlay_mode: bool) -> None:
     n = LMC_PROMPT
-    state_dir = work / "lmcache-hybrid-state"
-    shutil.rmtree(state_dir, ignore_errors=True)  # a fresh store: the first request is a miss
     llm = dict(max_model_len=LMC_MAX_LEN, max_num_batched_tokens=LMC_CHUNK, max_num_seqs=1,
                enable_prefix_caching=False)
     lmc_env = {"LMCACHE_CHUNK_SIZE": str(LMC_CHUNK), "LMCACHE_LOCAL_CPU": "True",
                "LMCACHE_MAX_LOCAL_CPU_SIZE": "1", "LMCACHE_DISABLE_BANNER": "1",
                "LMCACHE_LOG_LEVEL": "INFO" if runner.verbose else "WARNING"}
-    conn_cfg = {"lmcache.hybrid_state_dir": str(state_dir)}
     base = dict(model="qwen3next", model_dir=str(model_dir), task="repeat", prompt_tokens=n,
                 max_tokens=8, reps=LMC_REPS, llm=llm)
     what = f"qwen3next, {n}-token prompt repeated"
@@ -526,7 +522,7 @@ def lmcache_part(runner: Runner, model_dir: Path, work: Path, rep: Report, overl
     up_cell = "-"
     if overlay_mode:
         up = runner.run("lmcache-upstream-connector",
-                        dict(base, connector="lmcache", connector_config=conn_cfg),
+                        dict(base, connector="lmcache", connector_config={}),
                         upstream=True, env=lmc_env)
         head = ("lmcache, upstream with LMCacheConnectorV1 on qwen3next (hybrid: 3 gated delta-net "
                 "layers + 1 attention layer)")
@@ -559,7 +555,7 @@ def lmcache_part(runner: Runner, model_dir: Path, work: Path, rep: Report, overl
         rep.say(f"lmcache, recompute: FAILED: {_engine_error(rc)}")
 
     # c. kvstack: LMCache with the hybrid state restored.
-    kv = runner.run("lmcache-kvstack", dict(base, connector="lmcache", connector_config=conn_cfg),
+    kv = runner.run("lmcache-kvstack", dict(base, connector="lmcache", connector_config={}),
                     upstream=False, env=lmc_env)
     kv_ok = not kv["crashed"] and kv["started"]
     hit, same, ratio, t_kv = 0, False, 0.0, 0.0

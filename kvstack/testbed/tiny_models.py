@@ -209,6 +209,35 @@ def cpu_block_size(block_size: int | None) -> int | None:
     return -(-block_size // 32) * 32 if major_minor >= (0, 32) else block_size
 
 
+def engine_crash_reason(name: str) -> str | None:
+    """Why vLLM's CPU engine cannot run tiny model `name` on this host, or None when it can.
+
+    Known case: vLLM 0.25.1's CPU gated-delta-net prefill kernel (``chunk_gated_delta_rule_cpu``,
+    compiled code) executes an AMX tile instruction (``tilezero``) without a tile configuration and
+    dies with SIGILL on AMX CPUs (Sapphire Rapids and later), with or without any connector; vLLM
+    0.32.0's kernel runs the same model. So Qwen3-Next-style models need base 0.32 on such CPUs.
+    """
+    if name != "qwen3next":
+        return None
+    try:
+        import torch
+        import vllm
+    except ImportError:
+        return None
+    major_minor = tuple(int(x) for x in vllm.__version__.split(".")[:2])
+    if major_minor >= (0, 32):
+        return None
+    try:
+        amx = bool(torch.cpu._is_amx_tile_supported())
+    except Exception:
+        amx = False
+    if not amx:
+        return None
+    return (f"vLLM {vllm.__version__}'s CPU gated-delta-net kernel (chunk_gated_delta_rule_cpu) dies "
+            "with SIGILL (an AMX tilezero without a tile configuration) on this AMX CPU; "
+            "Qwen3-Next-style models need base 0.32 here")
+
+
 def apply_engine_env(environ: dict[str, str] | None = None) -> dict[str, str]:
     """Set the CPU engine's environment variables where they are unset; return what was set."""
     environ = os.environ if environ is None else environ

@@ -25,6 +25,28 @@ from kvstack.testbed.engine import shutdown_llm
 
 tiny_models.apply_engine_env()
 
+# Tests that start vLLM's engine on the tiny Qwen3-Next (by node id prefix; parametrized ids that
+# name it are matched too). Where that engine cannot run on this host at all
+# (tiny_models.engine_crash_reason: vLLM 0.25.1 on an AMX CPU), they are skipped with the reason.
+QWEN3NEXT_ENGINE_TESTS = (
+    "tests/env/lmcache/test_e2e_cpu.py::test_qwen3next",
+    "tests/env/lmcache/test_shared_backend.py::",
+    "tests/env/server/test_lmcache_server.py::",
+    "tests/env/test_demo.py::",
+    "tests/env/test_readme_examples.py::test_lmcache_example_runs_as_written",
+    "tests/env/layout/test_bind_kv_cache.py::test_e2e_",
+    "tests/env/layout/test_gpu_check_script.py::test_patched_equals_unpatched_on_the_cpu_engine",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    reason = tiny_models.engine_crash_reason("qwen3next")
+    if reason is None:
+        return
+    for item in items:
+        if item.nodeid.startswith(QWEN3NEXT_ENGINE_TESTS) or "[qwen3next" in item.nodeid:
+            item.add_marker(pytest.mark.skip(reason=reason))
+
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:

@@ -13,7 +13,6 @@ out of ``vllm:external_prefix_cache_queries``; no LMCache-specific metric is nee
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -33,10 +32,8 @@ from vllm_server import (
 pytestmark = [pytest.mark.env, pytest.mark.slow]
 
 MODEL = "build/tiny-models/qwen3next"
-STATE_DIR = "build/lmcache-hybrid-state"
 MAX_LEN = 512
-KV_TRANSFER = {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both",
-               "kv_connector_extra_config": {"lmcache.hybrid_state_dir": STATE_DIR}}
+KV_TRANSFER = {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}
 SERVE = [MODEL, "--host", "127.0.0.1", "--port", "8000",
          "--dtype", "bfloat16", "--mamba-ssm-cache-dtype", "float32", "--max-model-len", "512",
          "--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--enforce-eager", "--seed", "0",
@@ -93,7 +90,6 @@ BOTH = pytest.mark.parametrize("server", ["local-cpu", "remote"], indirect=True)
 @pytest.fixture(scope="module")
 def server(request, reference):
     backend = request.param
-    shutil.rmtree(ROOT / STATE_DIR, ignore_errors=True)  # no state of an earlier run
     if backend == "remote":
         port = free_port()
         with lmcache_server(port):
