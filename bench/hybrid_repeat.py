@@ -1,5 +1,9 @@
 """Repeat-prompt TTFT of a hybrid model (Qwen3-Next layout) on the CPU engine: every way to reuse it.
 
+Headline: route 3 vs recompute, i.e. a repeat served by a NEW engine process whose only source is a
+shared LMCache backend (an lmcache_server on 127.0.0.1) holding both the K/V and the hybrid
+(Mamba/GDN) state, compared with computing the prompt again.
+
     .venv/bin/python bench/hybrid_repeat.py                     # defaults: 343 MiB model, 4096 tokens
     .venv/bin/python bench/hybrid_repeat.py --prompt-tokens 512 --hidden 128 --layers 4   # small
 
@@ -10,8 +14,9 @@ under build/bench-models/, then measures, each figure in its own engine process(
  2. vllm-cache      vLLM's own hybrid prefix caching (enable_prefix_caching, mamba_cache_mode="align"),
                     the repeat in the same engine (what a user already has, one process only).
  3. lmcache-inproc  in-process LMCacheConnectorV1 (kvstack's patched adapter) with an `lmcache_server`
-                    on 127.0.0.1 as the only store: engine A computes the prompt and exits; a NEW engine
-                    B (its own empty LMCACHE_HYBRID_STATE_DIR, nothing shared but the server) serves it.
+                    on 127.0.0.1 as the only store: engine A computes the prompt, stores its K/V and
+                    hybrid state in the server and exits; a NEW engine process B, sharing nothing with A
+                    but the server (no local CPU tier, no files), serves the repeat from it.
  4. lmcache-mp      LMCache's multi-process route: `python -m lmcache.v1.multiprocess.server` on
                     127.0.0.1 + LMCacheMPConnector (align mode): engine A, then a NEW engine B.
  5. lmcache+vllm    one engine with LMCacheConnectorV1 AND vLLM's prefix cache (align), repeat TTFT
@@ -21,7 +26,8 @@ TTFT = wall time of generate(max_tokens=1) after a warm-up prompt of the same le
 process. Tokens: the 8 greedy tokens of the repeat (served from the route's cache) must equal the
 recompute run's ("equal"/"DIFFER" per route). A route that cannot run prints "n/a (<why>)".
 The last line, `RESULT ...`, carries every figure: seconds of the recompute repeat, then each
-route's repeat TTFT as a speed-up ratio over recompute (x), 5 also over 2.
+route's repeat TTFT as a speed-up ratio over recompute (x), 5 also over 2. The line before it,
+`HEADLINE ...`, states route 3 against recompute.
 Exit status: 0, or 2 when a route that ran produced different tokens.
 """
 
@@ -205,11 +211,6 @@ def main() -> int:
                          "--chunk; also the block size of the align-mode engines (routes 2, 4, 5) and the "
                          "chunk size of the MP server, so it must hold the model's Mamba page (default 512)")
     ap.add_argument("--routes", default=",".join(ROUTES), help=f"comma-separated subset of {','.join(ROUTES)}")
-    ap.add_argument("--share-hybrid-state-dir", action="store_true",
-                    default=os.environ.get("KVSTACK_BENCH_SHARE_STATE_DIR") == "1",
-                    help="route 3: let engines A and B share one LMCACHE_HYBRID_STATE_DIR (env "
-                         "KVSTACK_BENCH_SHARE_STATE_DIR=1). Off by default: B must find everything in the "
-                         "server; this knob is for checks until the hybrid state lives in LMCache's storage")
     ap.add_argument("--flush-s", type=float, default=3.0, help="seconds engine A waits for its puts")
     ap.add_argument("--engine-timeout", type=float, default=900, help="seconds per engine process")
     ap.add_argument("--model-root", default=str(REPO / "build" / "bench-models"))
@@ -264,18 +265,18 @@ def main() -> int:
         except Exception as exc:  # a route that cannot run is reported, the others go on
             results[name] = {"na": " ".join(str(exc).split())[:400]}
 
-    def lmc_env(port: int, state_dir: Path) -> dict:
+    def lmc_env(port: int) -> dict:
+        # The server is the only store: K/V and the hybrid state both go there (no local CPU tier).
         return {"LMCACHE_CHUNK_SIZE": str(args.chunk), "LMCACHE_LOCAL_CPU": "False",
                 "LMCACHE_MAX_LOCAL_CPU_SIZE": "1", "LMCACHE_REMOTE_URL": f"lm://127.0.0.1:{port}",
-                "LMCACHE_REMOTE_SERDE": "naive", "LMCACHE_HYBRID_STATE_DIR": str(state_dir)}
+                "LMCACHE_REMOTE_SERDE": "naive"}
 
     def route_inproc():
         port = _free_port()
         server = [str(Path(sys.executable).with_name("lmcache_server")), "127.0.0.1", str(port)]
         with _server(server, port, work / "lmcache_server.log", base_env):
-            shared = work / "state-shared"
-            a = engine("lmc-a", lmc_env(port, shared if args.share_hybrid_state_dir else work / "state-a"))
-            b = engine("lmc-b", lmc_env(port, shared if args.share_hybrid_state_dir else work / "state-b"))
+            a = engine("lmc-a", lmc_env(port))
+            b = engine("lmc-b", lmc_env(port))
         b["a_tokens"] = a["tokens"]
         return b
 
@@ -296,8 +297,7 @@ def main() -> int:
         "lmcache-inproc": route_inproc,
         "lmcache-mp": route_mp,
         "lmcache+vllm": lambda: engine("lmc-apc", {"LMCACHE_CHUNK_SIZE": str(args.chunk), "LMCACHE_LOCAL_CPU": "True",
-                                                   "LMCACHE_MAX_LOCAL_CPU_SIZE": "4",
-                                                   "LMCACHE_HYBRID_STATE_DIR": str(work / "state-apc")}),
+                                                   "LMCACHE_MAX_LOCAL_CPU_SIZE": "4"}),
     }
     for name in routes:
         run_route(name, plan[name])
@@ -335,6 +335,17 @@ def main() -> int:
         if "na" in results[name]:
             print(f"{name}: n/a ({results[name]['na']})", flush=True)
     print(f"logs of failed engines: {work}" if any("na" in r for r in results.values()) else "", flush=True)
+    if "lmcache-inproc" in routes:
+        r = results["lmcache-inproc"]
+        if "na" in r:
+            head = f"n/a ({r['na']})"
+        else:
+            same = r["tokens"] == ref and r["a_tokens"] == ref
+            head = (f"{r['repeat_s']:.3f} s vs recompute {base['repeat_s']:.3f} s = "
+                    f"{base['repeat_s'] / r['repeat_s']:.2f}x, {r['cached']} tokens cached, "
+                    f"tokens {'equal' if same else 'DIFFER'}")
+        print("HEADLINE repeat served by a new engine process through a shared lmcache_server (route 3): "
+              + head, flush=True)
     print("RESULT " + " ".join(fields), flush=True)
     return 2 if differ else 0
 

@@ -3,6 +3,9 @@
 Runs the real bench (real engines, a real lmcache_server and LMCache MP server on 127.0.0.1) and
 checks only what does not depend on timing: every route that ran gave the recompute run's tokens,
 and the RESULT line carries every figure (a number, or n/a with the reason printed above it).
+Route 3 (in-process LMCache, a new engine process B whose only source is the lmcache_server; the
+hybrid state lives in LMCache's storage, no state directory) must run, hit and give the recompute
+run's tokens, and the HEADLINE line states it against recompute.
 """
 
 from __future__ import annotations
@@ -52,3 +55,8 @@ def test_bench_hybrid_repeat_small(tmp_path):
     # vLLM's own hybrid prefix cache runs on the CPU engine and hits.
     assert fields["vllm_cache"] != "n/a", out
     assert int(re.search(r"cached=(\d+)", fields["vllm_cache"]).group(1)) > 0
+    # Route 3: engine B is served by the lmcache_server alone (K/V and hybrid state), same tokens.
+    assert fields["lmcache_inproc"] != "n/a", out
+    assert int(re.search(r"cached=(\d+)", fields["lmcache_inproc"]).group(1)) > 0, out
+    assert re.search(r"^HEADLINE .*route 3\): \d+\.\d+ s vs recompute \d+\.\d+ s = \d+\.\d+x, "
+                     r"[1-9]\d* tokens cached, tokens equal$", out, re.M), out
