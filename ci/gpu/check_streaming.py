@@ -260,6 +260,8 @@ def child(plan_file: Path, side: str, out: Path) -> None:
     kw = tiny_models.llm_kwargs("llama4", plan["model"], max_model_len=plan["max_model_len"],
                                 enable_prefix_caching=False, max_num_seqs=plan["max_num_seqs"],
                                 max_num_batched_tokens=plan["batched_tokens"])
+    if plan.get("dtype"):
+        kw["dtype"] = plan["dtype"]
     if device != "cpu":
         kw.pop("enforce_eager")  # vLLM's defaults: torch.compile + CUDA graphs, as users run it
         if plan.get("gpu_memory_utilization"):
@@ -410,6 +412,10 @@ def main(argv=None) -> int:
     ap.add_argument("--batched-tokens", type=int, default=256,
                     help="max_num_batched_tokens, both sides (default 256)")
     ap.add_argument("--max-num-seqs", type=int, default=4)
+    ap.add_argument("--dtype", choices=("auto", "bfloat16", "float16"), default="auto",
+                    help="model dtype of both sides (default auto: bfloat16, except float16 on the "
+                         "CPU engine of an AMX CPU, where bf16 runs vLLM's AMX kernel, whose tile "
+                         "accumulation moves logprobs beyond the tolerance between batch shapes)")
     ap.add_argument("--max-tokens", type=int, default=8, help="greedy tokens per prompt")
     ap.add_argument("--logprobs", type=int, default=5, help="top logprobs compared per token")
     ap.add_argument("--tol", type=float, default=TOL,
@@ -471,7 +477,14 @@ def main(argv=None) -> int:
                     o_scale=args.o_scale, lm_head_scale=args.lm_head_scale, max_pos=max_model_len)
     page_bytes = PAGE * 2 * 2 * 32 * 2  # tokens x (K, V) x kv heads x head_dim x bf16, one layer
     tier_pages = 4 * max_model_len // PAGE  # room for the batch and the cached prefixes
+    dtype = args.dtype
+    if dtype == "auto":  # bf16 (the model's), but float16 on an AMX CPU: see cpu_exactness_dtype
+        dtype = (tiny_models.cpu_exactness_dtype() if args.device == "cpu" else None) or "bfloat16"
+    print(f"dtype {dtype}" + (" (AMX CPU: vLLM's vec kernel; see kvstack.testbed.tiny_models."
+                              "cpu_exactness_dtype)" if dtype == "float16" and args.dtype == "auto"
+                              else ""), flush=True)
     plan = {"device": args.device, "model": str(model), "max_model_len": max_model_len,
+            "dtype": dtype,
             "max_num_seqs": args.max_num_seqs, "batched_tokens": args.batched_tokens,
             "budget_blocks": args.budget_blocks, "max_tokens": args.max_tokens,
             "logprobs": args.logprobs, "gpu_memory_utilization": args.gpu_memory_utilization,

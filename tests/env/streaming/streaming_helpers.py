@@ -199,12 +199,16 @@ def sharp_llama4(dest: Path | None = None, **scales) -> Path:
 
 
 def make_llm_from(model_dir: Path, name: str = "llama4", *, streaming: dict | None = None,
-                  **overrides):
-    """`make_llm` for a model written elsewhere (e.g. `sharp_llama4()`), run like tiny `name`."""
-    from kvstack.testbed.tiny_models import llm_kwargs
+                  exact: bool = True, **overrides):
+    """`make_llm` for a model written elsewhere (e.g. `sharp_llama4()`), run like tiny `name`.
+    `exact`: for a streaming-vs-native logprob comparison (the dtype of
+    `tiny_models.cpu_exactness_dtype` on AMX hosts)."""
+    from kvstack.testbed.tiny_models import cpu_exactness_dtype, llm_kwargs
     from vllm import LLM
 
     kw = llm_kwargs(name, model_dir, enable_prefix_caching=False, **overrides)
+    if exact and "dtype" not in overrides and cpu_exactness_dtype():
+        kw["dtype"] = cpu_exactness_dtype()  # AMX hosts: see tiny_models.cpu_exactness_dtype
     if streaming is not None:
         kw["kv_transfer_config"] = streaming_transfer_config(**streaming)
         with env(**{HMA_ENV: "1"}):
