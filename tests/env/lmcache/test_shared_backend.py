@@ -3,8 +3,8 @@
 The K/V of a prefix and the hybrid (GDN) state at the same position both live in LMCache's
 storage, so a second engine *process* that shares only the backend restores both. Each backend is
 a real server on 127.0.0.1 that the test starts and stops: `lmcache_server` (LMCache's own) and
-`redis-server` (Debian's package, installed by the test when missing). Engine A computes a prompt and exits;
-engine B, a new process with no local tier, restores K/V + state from the server and gives the
+`redis-server` (Debian's package, installed by the test when missing). Engine A computes a prompt
+and exits; engine B, a new process with no local tier, restores K/V + state from the server and gives the
 tokens of a run without any connector; engine C loses the server mid-run (the server's process
 group is killed between its two prompts) and must recompute with the same tokens and a warning.
 """
