@@ -1,15 +1,18 @@
 """Run a tiny model once on the CPU engine, optionally with LMCacheConnectorV1, and print JSON.
 
     python engine_run.py --model qwen3next --model-dir DIR [--lmcache] [--wipe] --prompts P.json
-                         [--max-tokens N] [--max-num-batched-tokens N] [--max-model-len N]
-                         [--kill-pgid PGID [--kill-before N]]
+                         [--max-tokens N] [--max-num-batched-tokens N] [--max-model-len N] [--align]
+                         [--zero-restored-state] [--kill-pgid PGID [--kill-before N]]
 
 Used by the tests (one engine per process, as a user would run it; tests/env/server takes its
 offline reference tokens from it). LMCache's backend is chosen
 with the usual LMCACHE_* environment variables. The last stdout line is JSON:
-{"tokens": [[...], ...], "hits": [N, ...], "restored": [N, ...], "warnings": [...], "indexed": N|null}
-where hits are the external hit tokens LMCache reported for each request, restored the hybrid states
-restored and indexed the chunk files the local disk backend indexed at start-up (null: no disk scan).
+{"tokens": [[...], ...], "hits": [N, ...], "restored": [N, ...], "cached": [N, ...], "local": [N, ...],
+"block_size": N, "warnings": [...], "indexed": N|null} where hits are the external hit tokens LMCache
+reported for each request (a prefix length), restored the hybrid states restored, cached the prompt tokens
+not computed (vLLM's num_cached_tokens: its own prefix cache and LMCache's hits), local the tokens vLLM's
+own prefix cache held when LMCache was asked, block_size vLLM's (align mode sizes it) and indexed the
+chunk files the local disk backend indexed at start-up (null: no disk scan).
 """
 
 from __future__ import annotations
@@ -53,6 +56,12 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--max-num-batched-tokens", type=int, default=64)
     ap.add_argument("--max-model-len", type=int, default=None, help="default: llm_kwargs' (512)")
+    ap.add_argument("--align", action="store_true",
+                    help="vLLM's own hybrid prefix caching too: enable_prefix_caching, "
+                         "mamba_cache_mode='align' (hybrid models)")
+    ap.add_argument("--zero-restored-state", action="store_true",
+                    help="negative control: zero every hybrid state LMCache restores (a mutation in "
+                         "this process; the tokens must then differ)")
     ap.add_argument("--kill-pgid", type=int, default=None,
                     help="SIGKILL this process group (a backend server) mid-run, before prompt "
                          "--kill-before")
@@ -80,8 +89,20 @@ def main(argv=None) -> int:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
-    kw = llm_kwargs(args.model, args.model_dir, enable_prefix_caching=False,
+    if args.zero_restored_state:
+        import lmcache.integration.vllm.vllm_v1_adapter as adapter
+
+        scatter = adapter.scatter_states
+
+        def scatter_zeros(caches, layout, blocks, states):
+            scatter(caches, layout, blocks, {k: [t * 0 for t in v] for k, v in states.items()})
+
+        adapter.scatter_states = scatter_zeros
+
+    kw = llm_kwargs(args.model, args.model_dir, enable_prefix_caching=args.align,
                     max_num_batched_tokens=args.max_num_batched_tokens)
+    if args.align:
+        kw["mamba_cache_mode"] = "align"
     if args.max_model_len:
         kw["max_model_len"] = args.max_model_len
     if args.lmcache:
@@ -94,7 +115,7 @@ def main(argv=None) -> int:
 
     prompts = json.loads(Path(args.prompts).read_text())
     sp = SamplingParams(temperature=0, max_tokens=args.max_tokens)
-    tokens, hits, restored = [], [], []
+    tokens, hits, restored, cached, local = [], [], [], [], []
     for n, p in enumerate(prompts):
         if args.kill_pgid is not None and n == args.kill_before:
             os.killpg(args.kill_pgid, signal.SIGKILL)
@@ -107,14 +128,20 @@ def main(argv=None) -> int:
         start = len(tap.lines)
         out = llm.generate([{"prompt_token_ids": p}], sp, use_tqdm=False)
         tokens.append(list(out[0].outputs[0].token_ids))
+        cached.append(int(out[0].num_cached_tokens or 0))
         new = tap.lines[start:]
         h = [int(m.group(1)) for line in new for m in [re.search(r"LMCache hit tokens: (\d+)", line)] if m]
         hits.append(h[-1] if h else 0)
         r = [int(m.group(1)) for line in new for m in [re.search(r"restored hybrid state at (\d+)", line)] if m]
         restored.append(r[-1] if r else 0)
+        c = [int(m.group(1)) for line in new
+             for m in [re.search(r"Inference Engine computed tokens: (\d+)", line)] if m]
+        local.append(c[-1] if c else 0)
     warnings = [line for line in tap.lines if line.startswith(("WARNING", "ERROR"))]
     indexed = [int(m.group(1)) for line in tap.lines for m in [re.search(r"Indexed (\d+) chunk", line)] if m]
-    print(json.dumps({"tokens": tokens, "hits": hits, "restored": restored, "warnings": warnings,
+    print(json.dumps({"tokens": tokens, "hits": hits, "restored": restored, "cached": cached, "local": local,
+                      "block_size": llm.llm_engine.vllm_config.cache_config.block_size,
+                      "warnings": warnings,
                       "indexed": indexed[-1] if indexed else None}))
     sys.stdout.flush()
     if args.lmcache:

@@ -63,9 +63,19 @@ LOCAL_CPU = {"LMCACHE_LOCAL_CPU": "True", "LMCACHE_MAX_LOCAL_CPU_SIZE": "0.5"}
 
 
 @pytest.fixture(scope="module")
-def qwen_baseline(tiny, tmp_path_factory):
+def qwen_model(tiny, tmp_path_factory):
+    """The tiny Qwen3-Next with a long-memory GDN state (hybrid_models.py): restoring a wrong or
+    zeroed state changes its tokens, so comparing tokens checks the state restore too."""
+    sys.path.insert(0, str(HERE))
+    from hybrid_models import long_memory_qwen3next
+
+    return long_memory_qwen3next(tiny("qwen3next"), tmp_path_factory.mktemp("qwen-long") / "model")
+
+
+@pytest.fixture(scope="module")
+def qwen_baseline(qwen_model, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("qwen-baseline")
-    out = run_engine(tiny("qwen3next"), "qwen3next", [PROMPT_A, PROMPT_EXT], tmp)
+    out = run_engine(qwen_model, "qwen3next", [PROMPT_A, PROMPT_EXT], tmp)
     return {"A": out["tokens"][0], "EXT": out["tokens"][1]}
 
 
@@ -80,8 +90,8 @@ def test_llama_in_process_hit_and_same_tokens(tiny, tmp_path):
     assert out["tokens"] == [base["tokens"][0]] * 2
 
 
-def test_qwen3next_local_cpu_restores_hybrid_state(tiny, tmp_path, qwen_baseline):
-    out = run_engine(tiny("qwen3next"), "qwen3next", [PROMPT_A, PROMPT_A, PROMPT_EXT], tmp_path,
+def test_qwen3next_local_cpu_restores_hybrid_state(qwen_model, tmp_path, qwen_baseline):
+    out = run_engine(qwen_model, "qwen3next", [PROMPT_A, PROMPT_A, PROMPT_EXT], tmp_path,
                      lmcache=True, wipe=True, env=LOCAL_CPU)
     # State is saved where a scheduler step ends on a chunk boundary (64 with 64-token steps),
     # so the 96 cached tokens are used up to 64, where K/V and state both exist.
@@ -98,12 +108,12 @@ def _disk_env(folder: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def qwen_disk_written(tiny, tmp_path_factory, qwen_baseline):
+def qwen_disk_written(qwen_model, tmp_path_factory, qwen_baseline):
     """A local-disk folder written by one engine process (no CPU tier): K/V chunk files, the
     hybrid states (LMCache objects too, format EC_TD) and a sidecar for each. Tests copy it
     before using it."""
     tmp = tmp_path_factory.mktemp("qwen-disk")
-    out = run_engine(tiny("qwen3next"), "qwen3next", [PROMPT_A], tmp, lmcache=True, env=_disk_env(tmp / "disk"))
+    out = run_engine(qwen_model, "qwen3next", [PROMPT_A], tmp, lmcache=True, env=_disk_env(tmp / "disk"))
     assert out["hits"] == [0] and out["tokens"] == [qwen_baseline["A"]]
     assert out["indexed"] is None  # an empty folder: nothing to index
     disk = tmp / "disk"
@@ -121,14 +131,14 @@ def _files(disk: Path, fmt: str) -> list[Path]:
                   if json.loads(p.with_name(p.name + ".kvmeta").read_text())["fmt"] == fmt)
 
 
-def test_qwen3next_local_disk_new_engine_process(tiny, tmp_path, qwen_baseline, qwen_disk_written):
+def test_qwen3next_local_disk_new_engine_process(qwen_model, tmp_path, qwen_baseline, qwen_disk_written):
     """Local disk backend only (no CPU tier): a NEW engine process indexes the chunk files the
     first one wrote, hits from disk, restores the hybrid state kept next to them and decodes the
     same tokens (engine KV wiped before each prompt, so every hit is a load from disk)."""
     disk = tmp_path / "disk"
     shutil.copytree(qwen_disk_written, disk)
     n_chunks = len(list(disk.glob("*.pt")))
-    out = run_engine(tiny("qwen3next"), "qwen3next", [PROMPT_A, PROMPT_EXT], tmp_path, lmcache=True,
+    out = run_engine(qwen_model, "qwen3next", [PROMPT_A, PROMPT_EXT], tmp_path, lmcache=True,
                      wipe=True, env=_disk_env(disk))
     assert out["indexed"] == n_chunks
     assert not [w for w in out["warnings"] if "Skipping disk cache file" in w], out["warnings"]
@@ -137,7 +147,7 @@ def test_qwen3next_local_disk_new_engine_process(tiny, tmp_path, qwen_baseline, 
     assert out["tokens"] == [qwen_baseline["A"], qwen_baseline["EXT"]]
 
 
-def test_qwen3next_local_disk_bad_files_are_a_miss(tiny, tmp_path, qwen_baseline, qwen_disk_written):
+def test_qwen3next_local_disk_bad_files_are_a_miss(qwen_model, tmp_path, qwen_baseline, qwen_disk_written):
     """K/V chunk files a new engine must not trust: truncated data files, a sidecar that does not
     parse, a sidecar whose dtype is not the engine's. Each is skipped with a warning and left
     on disk; the state alone is indexed but without its K/V the request is a miss, recomputed
@@ -156,7 +166,7 @@ def test_qwen3next_local_disk_bad_files_are_a_miss(tiny, tmp_path, qwen_baseline
             rec["dtype"] = "half"  # a sidecar that does not match this engine
             side.write_text(json.dumps(rec))
     before = {p.name for p in disk.iterdir()}
-    out = run_engine(tiny("qwen3next"), "qwen3next", [PROMPT_A], tmp_path, lmcache=True, wipe=True,
+    out = run_engine(qwen_model, "qwen3next", [PROMPT_A], tmp_path, lmcache=True, wipe=True,
                      env=_disk_env(disk))
     assert out["indexed"] == len(_files(disk, "EC_TD"))
     skipped = [w for w in out["warnings"] if "Skipping disk cache file" in w]
@@ -170,7 +180,7 @@ def test_qwen3next_local_disk_bad_files_are_a_miss(tiny, tmp_path, qwen_baseline
     assert before <= {p.name for p in disk.iterdir()}
 
 
-def test_qwen3next_tampered_state_is_a_miss(tiny, tmp_path, qwen_baseline, qwen_disk_written):
+def test_qwen3next_tampered_state_is_a_miss(qwen_model, tmp_path, qwen_baseline, qwen_disk_written):
     """A state object whose header no longer names this model (so its checksum fails too): the
     K/V chunks are indexed and found, the state is read and rejected with a warning, the load
     fails and vLLM recomputes: same tokens, nothing restored."""
@@ -181,8 +191,59 @@ def test_qwen3next_tampered_state_is_a_miss(tiny, tmp_path, qwen_baseline, qwen_
         i = data.index(b'"model": "') + len(b'"model": "')
         data[i] ^= 0x01
         path.write_bytes(bytes(data))
-    out = run_engine(tiny("qwen3next"), "qwen3next", [PROMPT_A], tmp_path, lmcache=True, wipe=True,
+    out = run_engine(qwen_model, "qwen3next", [PROMPT_A], tmp_path, lmcache=True, wipe=True,
                      env=_disk_env(disk))
     assert out["restored"] == [0]
     assert out["tokens"] == [qwen_baseline["A"]]
     assert any("rejected" in w for w in out["warnings"]), out["warnings"]
+
+
+# vLLM's own hybrid prefix caching on (mamba_cache_mode="align"): it sizes the block to the Mamba
+# page (384 tokens here) and keeps one state slot per block; the adapter saves and restores the
+# state in the slot of the step's last token. 600 tokens: states at every 64-token step end.
+PROMPT_LONG = [(i * 37) % 900 + 3 for i in range(600)]
+PROMPT_LONG_EXT = PROMPT_LONG + [5, 6, 7, 8] * 25
+ALIGN = ("--align", "--max-model-len", "1024")
+
+
+@pytest.fixture(scope="module")
+def qwen_long_baseline(qwen_model, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("qwen-long-baseline")
+    out = run_engine(qwen_model, "qwen3next", [PROMPT_LONG, PROMPT_LONG_EXT], tmp,
+                     extra_args=("--max-model-len", "1024"))
+    return {"A": out["tokens"][0], "EXT": out["tokens"][1]}
+
+
+def _lmcache_version() -> str:
+    from importlib.metadata import version
+
+    return version("lmcache")
+
+
+@pytest.mark.skipif(_lmcache_version().startswith("0.5.3"),
+                    reason="base 0.25 (LMCache 0.5.3): the adapter refuses mamba_cache_mode='align' at "
+                           "start-up; align mode is supported on base 0.32")
+def test_qwen3next_align_mode_lmcache_with_vllm_prefix_cache(qwen_model, tmp_path, qwen_long_baseline):
+    """One engine with both caches (align mode), then a NEW engine process restoring from disk.
+
+    Engine A computes the prompt, then repeats it: vLLM's own cache holds one block (384 tokens),
+    LMCache the rest up to 576 (K/V and the state at 576, put in the slot the step runs on); the
+    tokens are the no-cache tokens. Engine B (new process, same disk folder, align mode) serves an
+    extension of the prompt from LMCache alone. Negative control: B again with every restored
+    state zeroed (a mutation in the engine process) gives different tokens."""
+    env = _disk_env(tmp_path / "disk")
+    a = run_engine(qwen_model, "qwen3next", [PROMPT_LONG, PROMPT_LONG], tmp_path, lmcache=True, env=env,
+                   extra_args=ALIGN)
+    assert a["block_size"] == 384, a["block_size"]
+    assert a["hits"] == [0, 576] and a["local"] == [0, 384], (a["hits"], a["local"])
+    assert a["restored"] == [0, 576] and a["cached"] == [0, 576]
+    assert a["tokens"] == [qwen_long_baseline["A"]] * 2
+    shutil.copytree(tmp_path / "disk", tmp_path / "disk-a")  # the control starts from the same files
+    b = run_engine(qwen_model, "qwen3next", [PROMPT_LONG_EXT], tmp_path, lmcache=True, env=env,
+                   extra_args=ALIGN)
+    assert b["hits"] == [576] and b["restored"] == [576] and b["local"] == [0]
+    assert b["tokens"] == [qwen_long_baseline["EXT"]]
+    control = run_engine(qwen_model, "qwen3next", [PROMPT_LONG_EXT], tmp_path, lmcache=True,
+                         env=_disk_env(tmp_path / "disk-a"), extra_args=(*ALIGN, "--zero-restored-state"))
+    assert control["restored"] == [576]
+    assert control["tokens"] != [qwen_long_baseline["EXT"]], "a zeroed state must change the tokens"
