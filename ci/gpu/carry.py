@@ -32,13 +32,15 @@ Standard library only: `pack` runs here, `unpack` and `install` there, both with
 
 The sequence of `run` calls (ci/gpu/README.md says the same, with the budget):
 
-  here:   python3 ci/gpu/carry.py pack                 # prints N folders and the run calls
+  here:   KVSTACK_BASE=0.25 python3 ci/gpu/carry.py pack   # prints N folders and the run calls
+          (base 0.25: its vLLM 0.25.1 is built on the machine's torch 2.11; base 0.32's vLLM needs
+          torch 2.13 and is refused, see MACHINE_TORCH)
   run 1:  carry ["build/gpu-carry/000"]
           command: python3 ci/gpu/carry.py unpack build/gpu-carry/000 &&
                    python3 -m pip list --format=freeze > $OUT/have.txt
   run 2 .. N: carry ["build/gpu-carry/001"], ... one folder per call, command
           python3 ci/gpu/carry.py unpack build/gpu-carry/NNN
-  run N+1: python3 ci/gpu/carry.py install && \\
+  run N+1: export KVSTACK_BASE=0.25; python3 ci/gpu/carry.py install && \\
            PYTHONUNBUFFERED=1 /tmp/kvstack-venv/bin/python ci/gpu/check_streaming.py \\
            --timeout 270 2>&1 | tee $OUT/check_streaming.log            (timeout_s 600)
   run N+2: (optional) the same venv, ci/gpu/check_layout.py: one command runs 10 min at most
@@ -115,6 +117,28 @@ tokenizers toolz torch torchaudio torchdiffeq torch-geometric torchmetrics torch
 transformers treescope triton typer typing-extensions typing-inspect urllib3 uvloop wadler-lindig
 werkzeug wheel wrapt xarray xxhash yarl zipp
 """.split()
+# The machine's torch (2.11.0+cu130 in the image's list of 2026-11-17). vLLM's compiled extensions
+# load only with the torch they were built for, and torch cannot be carried (~1 GB with its CUDA
+# libraries): a base whose vLLM pins another torch cannot run there (base 0.32: torch 2.13.0).
+MACHINE_TORCH = "2.11.0"
+
+
+def torch_mismatch(metadata: str, have: dict, base: str) -> str | None:
+    """Why the vLLM of `metadata` cannot run on the machine (its torch pin is not the machine's
+    torch), or None."""
+    machine = have.get("torch") or MACHINE_TORCH
+    for line in requires_dist(metadata):
+        req = parse_requirement(line)
+        if req["name"] == "torch" and not req["marker"] and req["spec"]:
+            if not spec_satisfied(machine, req["spec"]):
+                return (f"base {base}'s vLLM requires torch{req['spec']}, the GPU machine has torch "
+                        f"{machine}: vLLM's CUDA extensions would not load there, and torch cannot be "
+                        f"carried. Pack a base whose vLLM is built on torch {machine} (base 0.25: "
+                        f"KVSTACK_BASE=0.25 python3 ci/gpu/carry.py pack; the install command then "
+                        f"applies that base's patches)")
+    return None
+
+
 # Optional kernels and media codecs of vLLM's CUDA requirements that the tiny-model checks do not
 # import (vLLM looks for each with find_spec and falls back), and that would cost calls: FlashInfer
 # and its cubins, TileLang, CUTLASS DSL, the MLA/quack/humming kernels, video decoders. `--with NAME`
@@ -289,7 +313,7 @@ def read_have(path: Path | None) -> dict:
 
 # ----------------------------------------------------------------------------- pieces
 
-def split_into_folders(files: list[Path], out: Path, piece_bytes: int) -> dict:
+def split_into_folders(files: list[Path], out: Path, piece_bytes: int, base: str | None = None) -> dict:
     """Cut `files` into pieces of at most `piece_bytes` and pack them, first fit in order, into
     folders out/000, out/001, ... of at most `piece_bytes` each; write out/NNN/manifest.json
     (the whole plan, the same in every folder). Returns the manifest."""
@@ -330,6 +354,8 @@ def split_into_folders(files: list[Path], out: Path, piece_bytes: int) -> dict:
         piece["sha256"] = h.hexdigest()
     manifest = {"version": 1, "folders": [f"{i:03d}" for i in range(len(folders))],
                 "piece_bytes": piece_bytes, "files": entries}
+    if base is not None:
+        manifest["base"] = base  # `install` applies this base's patch stack
     manifest["id"] = hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()[:16]
     for folder in manifest["folders"]:
         (out / folder / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
@@ -515,6 +541,13 @@ def cmd_pack(args) -> int:
                   "vllm/PKG-INFO is there; run scripts/fetch_sources.sh or pass --metadata", file=sys.stderr)
             return 2
         meta, source = None, None
+    from kvstack.release.pins import default_base
+
+    base = default_base()
+    why = torch_mismatch(meta, have, base) if meta is not None else None
+    if why:
+        print(f"error: {why}", file=sys.stderr)
+        return 1
     if args.dry_run:
         carry, there, skipped = needed(meta, (), have, skip)
         state = "cached" if (wheels / pin["CUDA_WHEEL"]).exists() else "to download"
@@ -540,12 +573,16 @@ def cmd_pack(args) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(f"{vllm_whl.name}: sha256 ok", flush=True)
+    why = torch_mismatch(wheel_metadata(vllm_whl), have, base)
+    if why:
+        print(f"error: {why}", file=sys.stderr)
+        return 1
     got, failed = collect(pip, wheel_metadata(vllm_whl), have, skip, deps_dir)
     if failed:
         print("error: could not download:\n  " + "\n  ".join(failed), file=sys.stderr)
         return 1
     files = [vllm_whl] + [got[n] for n in sorted(got)]
-    manifest = split_into_folders(files, args.out, piece_bytes)
+    manifest = split_into_folders(files, args.out, piece_bytes, base=base)
     total = sum(e["size"] for e in manifest["files"])
     print(f"{len(files)} wheels, {total / 2**20:.0f} MiB, in {len(manifest['folders'])} folder(s) "
           f"of <= {args.piece_mib:g} MiB under {args.out} (manifest {manifest['id']})")
@@ -564,7 +601,7 @@ def cmd_pack(args) -> int:
         extra = " && python3 -m pip list --format=freeze > $OUT/have.txt" if i == 0 else ""
         print(f"  carry [\"{rel}/{folder}\"]  command: python3 ci/gpu/carry.py unpack "
               f"{rel}/{folder}{extra}")
-    print("  command: python3 ci/gpu/carry.py install && PYTHONUNBUFFERED=1 "
+    print(f"  command: export KVSTACK_BASE={base}; python3 ci/gpu/carry.py install && PYTHONUNBUFFERED=1 "
           f"{DEFAULT_VENV}/bin/python ci/gpu/check_streaming.py --timeout 270 2>&1 | "
           "tee $OUT/check_streaming.log   (timeout_s 600)")
     return 0
@@ -659,6 +696,8 @@ def cmd_install(args) -> int:
     site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                           capture_output=True, text=True).stdout.strip()
     env = dict(os.environ, PYTHON=str(py))
+    if manifest.get("base"):
+        env["KVSTACK_BASE"] = manifest["base"]  # the base whose vLLM was packed
     if not args.no_patches and not step(f"kvstack's patch stack on {site}",
                                         ["bash", str(ROOT / "scripts" / "apply_patches.sh"),
                                          "--site-packages", site, "--component", "vllm", "-q"],

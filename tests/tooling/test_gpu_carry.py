@@ -86,11 +86,30 @@ def test_dry_run_reads_the_fetched_sdist_when_no_wheel_is_cached(tmp_path):
     if not (load_pin("vllm").tree / "PKG-INFO").exists():
         pytest.skip("the vLLM sdist of this base is not fetched")
     res = run("pack", "--dry-run", "--wheels", tmp_path / "empty")
+    torch_pin = [ln for ln in (load_pin("vllm").tree / "PKG-INFO").read_text().splitlines()
+                 if ln.replace(" ", "").startswith("Requires-Dist:torch==")]
+    if torch_pin and "2.11.0" not in torch_pin[0]:  # base 0.32: torch 2.13.0, not the machine's
+        assert res.returncode == 1 and "KVSTACK_BASE=0.25" in res.stderr, (res.stdout, res.stderr)
+        return
     assert res.returncode == 0, res.stderr
     assert "PKG-INFO (the sdist's" in res.stdout
     for name in ("fastapi[standard]", "pydantic", "msgspec", "pyzmq", "openai", "xgrammar"):
         assert f"  {name}" in res.stdout, name
     assert "  torch==" not in res.stdout  # the machine's torch is used
+
+
+def test_a_vllm_built_on_another_torch_is_refused(tmp_path):
+    """vLLM's CUDA extensions load only with the torch they were built for; the machine's torch
+    (2.11.0+cu130) cannot be replaced by carrying another (~1 GB): refused, naming the base to pack."""
+    (tmp_path / "METADATA").write_text(METADATA.replace("torch==2.11.0", "torch==2.13.0"))
+    res = run("pack", "--dry-run", "--metadata", tmp_path / "METADATA", "--out", tmp_path / "out")
+    assert res.returncode == 1
+    assert "requires torch==2.13.0, the GPU machine has torch 2.11.0" in res.stderr, res.stderr
+    assert "KVSTACK_BASE=0.25" in res.stderr
+    (tmp_path / "have.txt").write_text("torch==2.13.0+cu130\n")  # a machine that has it: fine
+    res = run("pack", "--dry-run", "--metadata", tmp_path / "METADATA", "--have", tmp_path / "have.txt",
+              "--out", tmp_path / "out")
+    assert res.returncode == 0, res.stderr
 
 
 def test_markers_and_requirements(carry):
