@@ -248,7 +248,7 @@ def child(plan_file: Path, side: str, out: Path) -> None:
     plan = json.loads(plan_file.read_text())
     device = plan["device"]
     _engine_env(device)
-    if side == "streaming":
+    if side.startswith("streaming"):
         os.environ[HMA_ENV] = "1"
     else:
         os.environ.pop(HMA_ENV, None)
@@ -262,11 +262,19 @@ def child(plan_file: Path, side: str, out: Path) -> None:
                                 max_num_batched_tokens=plan["batched_tokens"])
     if plan.get("dtype"):
         kw["dtype"] = plan["dtype"]
+    tp = plan.get("tensor_parallel_size", 1)
+    if tp > 1:
+        # vLLM's own parallel engine: its multiprocess executor, one worker process per rank (on
+        # the CPU engine with its shared-memory communicator), each rank streaming its own KV heads
+        kw.update(tensor_parallel_size=tp, distributed_executor_backend="mp")
+        if device == "cpu" and not os.environ.get("VLLM_CPU_OMP_THREADS_BIND"):
+            cpus = sorted(os.sched_getaffinity(0))[:tp]  # one OpenMP thread per rank, bound
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(map(str, cpus))
     if device != "cpu":
         kw.pop("enforce_eager")  # vLLM's defaults: torch.compile + CUDA graphs, as users run it
         if plan.get("gpu_memory_utilization"):
             kw["gpu_memory_utilization"] = plan["gpu_memory_utilization"]
-    if side == "streaming":
+    if side.startswith("streaming"):
         from vllm.config import KVTransferConfig
 
         kw["num_gpu_blocks_override"] = plan["budget_blocks"]
@@ -280,7 +288,7 @@ def child(plan_file: Path, side: str, out: Path) -> None:
     core = llm.llm_engine.engine_core.engine_core
     vcfg = llm.llm_engine.vllm_config
     cc = vcfg.compilation_config
-    info = {"device": device, "start_s": round(started, 1),
+    info = {"device": device, "start_s": round(started, 1), "tensor_parallel_size": tp,
             "compilation_mode": _name(getattr(cc, "mode", getattr(cc, "level", "?"))),
             "cudagraph_mode": _name(getattr(cc, "cudagraph_mode", "?")),
             "enforce_eager": bool(vcfg.model_config.enforce_eager),
@@ -428,6 +436,10 @@ def main(argv=None) -> int:
                     help="lm_head weight scaled by this (default 8)")
     ap.add_argument("--gpu-memory-utilization", type=float,
                     help="passed to vLLM on cuda (default: vLLM's)")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1,
+                    help="also run the streaming side at this tensor parallel size (vLLM's "
+                         "multiprocess executor; on --device cpu one bound OpenMP thread per rank) "
+                         "and compare it with the native side (TP 1) too (default 1: not run)")
     ap.add_argument("--timeout", type=int, default=1500, help="seconds per side (default 1500)")
     ap.add_argument("--work", type=Path, default=ROOT / "build" / "gpu-check-streaming",
                     help="scratch folder: models, plans, per-side results and logs")
@@ -455,6 +467,11 @@ def main(argv=None) -> int:
     if long_tokens <= budget_tokens:
         ap.error(f"--long-tokens {long_tokens} fits the device budget ({budget_tokens} tokens): "
                  "the check is about prompts larger than the device KV")
+    if args.tensor_parallel_size < 1:
+        ap.error("--tensor-parallel-size must be >= 1")
+    if args.device == "cpu" and args.tensor_parallel_size > len(os.sched_getaffinity(0)):
+        ap.error(f"--tensor-parallel-size {args.tensor_parallel_size} needs one CPU core per rank; "
+                 f"this process may use {len(os.sched_getaffinity(0))}")
     if importlib.util.find_spec("vllm") is None:
         print(f"error: vLLM is not importable with {sys.executable}", file=sys.stderr)
         return 2
@@ -525,6 +542,16 @@ def main(argv=None) -> int:
     native_plan = dict(plan, control_pos=control["pos"],
                        cases=cases + [{"name": "control",
                                        "prompts": [control_prompt(long, control["pos"])]}])
+    tp = args.tensor_parallel_size
+    parallel = None
+    if tp > 1:  # the same cases and control token at TP > 1 (vLLM's workers in their own processes)
+        tp_side = f"streaming-tp{tp}"
+        (work / f"plan-{tp_side}.json").write_text(json.dumps(dict(native_plan, tensor_parallel_size=tp)))
+        parallel = run_side(work / f"plan-{tp_side}.json", tp_side, work, args.timeout)
+        show(tp_side, parallel)
+        if isinstance(parallel, str):
+            print(f"RESULT 0/{len(cases) + 1} identical; the {tp_side} run failed (logs in {work})")
+            return 1
     (work / "plan-native.json").write_text(json.dumps(native_plan))
     native = run_side(work / "plan-native.json", "native", work, args.timeout)
     show("native", native)
@@ -534,21 +561,22 @@ def main(argv=None) -> int:
 
     failures = 0
     names = [c["name"] for c in native_plan["cases"]]
-    for name in names:
+    sides = [("", streaming)] + ([(f" (TP {tp})", parallel)] if parallel is not None else [])
+    for (label, side), name in ((s, n) for s in sides for n in names):
         same, worst, note = compare(native["results"][name]["outputs"],
-                                    streaming["results"][name]["outputs"], args.tol)
+                                    side["results"][name]["outputs"], args.tol)
         extra = ""
         if name == "prefix-b":
-            hit = streaming["results"][name]["prefix_hit_tokens"]
+            hit = side["results"][name]["prefix_hit_tokens"]
             extra = f"; streaming side reused {hit} prefix tokens from its host tier"
             if hit <= 0:
                 same = False
                 note = (note + "; " if note else "") + "no prefix reuse on the streaming side"
-        if streaming["results"][name]["failed"]:
+        if side["results"][name]["failed"]:
             same = False
             note = (note + "; " if note else "") + "a request failed (host tier full)"
         failures += not same
-        print(f"{name:9s} {'identical' if same else 'DIFFERENT'} (max logprob diff {worst:.4f})"
+        print(f"{name + label:9s} {'identical' if same else 'DIFFERENT'} (max logprob diff {worst:.4f})"
               f"{extra}{': ' + note if note else ''}", flush=True)
 
     # the negative control: one changed history token must change the streaming side's output
@@ -563,6 +591,12 @@ def main(argv=None) -> int:
           f"streaming output {'changed' if changed else 'UNCHANGED'} (max logprob diff "
           f"{c_diff:.4f}{'; ' + c_note if c_note else ''}); native "
           f"{'unchanged' if n_unchanged else 'changed'} (max logprob diff {n_diff:.4f})", flush=True)
+    if parallel is not None:  # the control must be visible at TP > 1 too
+        tp_unchanged, tp_diff, _ = compare(parallel["results"]["long"]["outputs"],
+                                           parallel["results"]["control"]["outputs"], args.tol)
+        print(f"control (TP {tp}) streaming output {'UNCHANGED' if tp_unchanged else 'changed'} "
+              f"(max logprob diff {tp_diff:.4f})", flush=True)
+        changed = changed and not tp_unchanged
     calls = streaming["info"].get("streaming_calls") or {}
     vacuous = ""
     if calls.get("installed"):
@@ -575,7 +609,8 @@ def main(argv=None) -> int:
         print("streaming windowed-attention calls: not counted (kvstack.streaming.worker_side."
               "windowed_attention not found)", flush=True)
     ok = failures == 0 and changed and not vacuous
-    print(f"RESULT {len(names) - failures}/{len(names)} identical; control "
+    total = len(names) * len(sides)
+    print(f"RESULT {total - failures}/{total} identical; control "
           f"{'changed' if changed else 'UNCHANGED'} ({args.device}, long {long_tokens}, "
           f"window {window}, tol {args.tol}){vacuous}")
     return 0 if ok else 1

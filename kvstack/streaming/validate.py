@@ -62,7 +62,7 @@ def engine_problems(vllm_config: "VllmConfig") -> list[str]:
             "VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE=1 and do not pass "
             "--disable-hybrid-kv-cache-manager")
     par = vllm_config.parallel_config
-    for name, what in (("tensor_parallel_size", "tensor"), ("pipeline_parallel_size", "pipeline"),
+    for name, what in (("pipeline_parallel_size", "pipeline"),
                        ("decode_context_parallel_size", "decode context"),
                        ("prefill_context_parallel_size", "prefill context")):
         size = getattr(par, name, 1) or 1

@@ -31,11 +31,20 @@ def _module():
 @pytest.mark.env
 @needs_hooks
 def test_streaming_equals_native_on_the_cpu_engine(tmp_path):
+    # TP 2 too: the streaming side again with vLLM's multiprocess executor, two worker processes of
+    # one bound OpenMP thread each (2 cores), each rank streaming its own KV heads; compared with
+    # the same TP 1 native run, the control token included
     res = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--long-tokens", "4096",
-                          "--work", str(tmp_path)], capture_output=True, text=True, timeout=900)
+                          "--tensor-parallel-size", "2", "--work", str(tmp_path)],
+                         capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     lines = res.stdout.strip().splitlines()
-    assert lines[-1].startswith("RESULT 5/5 identical; control changed"), res.stdout
+    assert lines[-1].startswith("RESULT 10/10 identical; control changed"), res.stdout
+    tp2 = json.loads((tmp_path / "streaming-tp2.json").read_text())
+    assert tp2["info"]["tensor_parallel_size"] == 2 and tp2["info"]["connector"] == "StreamingConnector"
+    assert tp2["info"]["device_blocks"] == 48
+    assert tp2["results"]["prefix-b"]["prefix_hit_tokens"] > 0
+    assert "control (TP 2) streaming output changed" in res.stdout
     streaming = json.loads((tmp_path / "streaming.json").read_text())
     native = json.loads((tmp_path / "native.json").read_text())
     info = streaming["info"]

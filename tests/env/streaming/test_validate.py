@@ -47,7 +47,6 @@ REFUSED = {
     "prefix caching": ({"cache_config.enable_prefix_caching": True}, "--no-enable-prefix-caching"),
     "no hybrid manager": ({"scheduler_config.disable_hybrid_kv_cache_manager": True},
                           "VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE"),
-    "tensor parallel": ({"parallel_config.tensor_parallel_size": 2}, "tensor parallelism"),
     "pipeline parallel": ({"parallel_config.pipeline_parallel_size": 2}, "pipeline parallelism"),
     "context parallel": ({"parallel_config.decode_context_parallel_size": 2}, "decode context"),
     "speculative decoding": ({"speculative_config": object()}, "speculative decoding"),
@@ -68,6 +67,15 @@ def test_engine_configuration_refused(case):
     assert len(problems) == 1 and needle in problems[0], problems
     with pytest.raises(UnsupportedConfiguration, match="kvstack StreamingConnector"):
         check_engine(_config(**over))
+
+
+def test_tensor_parallelism_is_served():
+    """Each rank keeps and streams the K/V of its own KV heads (its own worker side and host
+    tier); the scheduler side stays one per engine (check_streaming.py --tensor-parallel-size 2
+    runs it end to end)."""
+    from kvstack.streaming.validate import engine_problems
+
+    assert engine_problems(_config(**{"parallel_config.tensor_parallel_size": 2})) == []
 
 
 @pytest.mark.parametrize("mode", ["FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"])
