@@ -25,7 +25,7 @@ import pytest
 pytest.importorskip("vllm")
 pytest.importorskip("lmcache")
 
-from test_e2e_cpu import PROMPT_A, PROMPT_EXT, qwen_baseline, run_engine, tiny  # noqa: E402,F401
+from test_e2e_cpu import PROMPT_A, PROMPT_EXT, qwen_baseline, qwen_model, run_engine, tiny  # noqa: E402,F401
 
 
 def _free_port() -> int:
@@ -89,9 +89,9 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 @pytest.mark.parametrize("backend", ["lmcache_server", "redis"])
-def test_second_engine_process_restores_kv_and_state_from_the_backend(backend, tiny, tmp_path,
+def test_second_engine_process_restores_kv_and_state_from_the_backend(backend, qwen_model, tmp_path,
                                                                        qwen_baseline):
-    model = tiny("qwen3next")
+    model = qwen_model  # the long-memory GDN copy (hybrid_models.py): a wrong state shows
     server, url = _start(backend, tmp_path)
     try:
         # No local tier in any engine: what a later process finds can only come from the server.
