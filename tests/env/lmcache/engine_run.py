@@ -56,6 +56,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--max-num-batched-tokens", type=int, default=64)
     ap.add_argument("--max-model-len", type=int, default=None, help="default: llm_kwargs' (512)")
+    ap.add_argument("--dtype", default=None, help="default: llm_kwargs' (the model's)")
     ap.add_argument("--align", action="store_true",
                     help="vLLM's own hybrid prefix caching too: enable_prefix_caching, "
                          "mamba_cache_mode='align' (hybrid models)")
@@ -105,6 +106,8 @@ def main(argv=None) -> int:
         kw["mamba_cache_mode"] = "align"
     if args.max_model_len:
         kw["max_model_len"] = args.max_model_len
+    if args.dtype:
+        kw["dtype"] = args.dtype
     if args.lmcache:
         kw["kv_transfer_config"] = KVTransferConfig(kv_connector="LMCacheConnectorV1", kv_role="kv_both")
     llm = LLM(**kw)

@@ -13,6 +13,7 @@ import shlex
 import pytest
 
 import test_lmcache_server as lm
+import test_streaming_parallel_server as par
 import test_streaming_server as st
 from vllm_server import BASE_ENV, ROOT
 
@@ -53,7 +54,9 @@ def test_streaming_section_shows_the_tested_server_and_bench():
     cmds = commands(section(SECTIONS["streaming"]))
     serve = [(a, e) for a, e in cmds if a[1:2] == ["serve"]]
     bench = [(a, e) for a, e in cmds if a[1:3] == ["bench", "serve"]]
-    assert serve == [([".venv/bin/vllm", "serve", *st.SERVE], {**BASE_ENV, **st.ENV})]
+    assert serve == [([".venv/bin/vllm", "serve", *st.SERVE], {**BASE_ENV, **st.ENV})] + [
+        ([".venv/bin/vllm", "serve", *args], {**BASE_ENV, **par.ENV})
+        for args in par.SERVE.values()]
     assert [a for a, _ in bench] == [[".venv/bin/vllm", "bench", "serve", *st.BENCH]]
 
 

@@ -270,7 +270,7 @@ class OfflineRun:
 
     def __init__(self, name: str, model: str, model_dir: str, prompts: list[list[int]], *,
                  max_tokens: int, max_model_len: int, max_num_batched_tokens: int,
-                 env: dict | None = None):
+                 env: dict | None = None, dtype: str | None = None):
         LOG_DIR.mkdir(parents=True, exist_ok=True)
         self.name = name
         pfile = LOG_DIR / f"{name}-prompts.json"
@@ -279,6 +279,8 @@ class OfflineRun:
         cmd = [sys.executable, str(ENGINE_RUN), "--model", model, "--model-dir", str(model_dir), "--prompts", str(pfile), "--max-tokens", str(max_tokens),
                "--max-model-len", str(max_model_len),
                "--max-num-batched-tokens", str(max_num_batched_tokens)]
+        if dtype:
+            cmd += ["--dtype", dtype]
         full_env = {**os.environ, **BASE_ENV, **(env or {})}
         full_env.pop("VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE", None)  # upstream defaults
         self._out = open(self.log, "w+")
