@@ -54,6 +54,16 @@ the CPU engine needs; CI does, with `--long-tokens 4096`: tests/env/streaming/
 test_gpu_check_streaming_script.py). Both devices run the engine in-process
 (VLLM_ENABLE_V1_MULTIPROCESSING=0) so the connector's counters can be read.
 
+Parallel side. `--tensor-parallel-size T` and/or `--pipeline-parallel-size P` add a third run: the
+streaming side at TP T x PP P on vLLM's own multiprocess executor (a worker process per rank; on
+the CPU engine its shared-memory communicator and one bound OpenMP thread per rank, so T x P must
+fit the cores), with the same cases and control token, compared with the same single-rank native
+run. Each TP rank streams its own KV heads, each PP stage its own layers (the tiny Llama-4's NoPE
+layer is in the second of two stages). vLLM keeps P batches in flight and (0.32) reserves device
+KV for all of them, so the PP side schedules `--batched-tokens` / P per step: the same device
+budget. `--reuse` keeps a side's result from an earlier run in the same `--work` when its plan is
+the same (CI runs TP 2, then PP 2 with `--reuse`: only the PP side runs again).
+
 The last line sums it up: `RESULT 5/5 identical; control changed (...)`.
 Exit status: 0 every case identical and the control changed; 1 a case differs, a run failed, the
 control did not change or the streaming was vacuous; 2 bad usage (e.g. vLLM not importable).
@@ -263,12 +273,15 @@ def child(plan_file: Path, side: str, out: Path) -> None:
     if plan.get("dtype"):
         kw["dtype"] = plan["dtype"]
     tp = plan.get("tensor_parallel_size", 1)
-    if tp > 1:
+    pp = plan.get("pipeline_parallel_size", 1)
+    if tp * pp > 1:
         # vLLM's own parallel engine: its multiprocess executor, one worker process per rank (on
-        # the CPU engine with its shared-memory communicator), each rank streaming its own KV heads
-        kw.update(tensor_parallel_size=tp, distributed_executor_backend="mp")
+        # the CPU engine with its shared-memory communicator), each rank streaming its own KV
+        # heads (TP) of its own stage's layers (PP)
+        kw.update(tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                  distributed_executor_backend="mp")
         if device == "cpu" and not os.environ.get("VLLM_CPU_OMP_THREADS_BIND"):
-            cpus = sorted(os.sched_getaffinity(0))[:tp]  # one OpenMP thread per rank, bound
+            cpus = sorted(os.sched_getaffinity(0))[:tp * pp]  # one OpenMP thread per rank, bound
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(map(str, cpus))
     if device != "cpu":
         kw.pop("enforce_eager")  # vLLM's defaults: torch.compile + CUDA graphs, as users run it
@@ -289,6 +302,7 @@ def child(plan_file: Path, side: str, out: Path) -> None:
     vcfg = llm.llm_engine.vllm_config
     cc = vcfg.compilation_config
     info = {"device": device, "start_s": round(started, 1), "tensor_parallel_size": tp,
+            "pipeline_parallel_size": pp,
             "compilation_mode": _name(getattr(cc, "mode", getattr(cc, "level", "?"))),
             "cudagraph_mode": _name(getattr(cc, "cudagraph_mode", "?")),
             "enforce_eager": bool(vcfg.model_config.enforce_eager),
@@ -339,12 +353,21 @@ def child(plan_file: Path, side: str, out: Path) -> None:
                                    "max_windows": probe.max_windows,
                                    "max_history": probe.max_history}
     info["connector"] = type(conn).__name__ if conn is not None else None
-    out.write_text(json.dumps({"info": info, "results": results}))
+    out.write_text(json.dumps({"info": info, "results": results, "plan": plan}))
     os._exit(0)  # skip engine teardown: the result is written
 
 
-def run_side(plan_file: Path, side: str, work: Path, timeout: int) -> dict | str:
+def run_side(plan_file: Path, side: str, work: Path, timeout: int,
+             reuse: bool = False) -> dict | str:
     out = work / f"{side}.json"
+    if reuse:  # a result of this very plan from an earlier run in the same --work
+        try:
+            kept = json.loads(out.read_text())
+            if kept.get("plan") == json.loads(plan_file.read_text()):
+                kept["info"]["reused"] = True
+                return kept
+        except (OSError, ValueError, AttributeError):
+            pass
     out.unlink(missing_ok=True)
     env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
@@ -363,6 +386,7 @@ def run_side(plan_file: Path, side: str, work: Path, timeout: int) -> dict | str
         return f"{side} run failed (exit {code}, log {work / (side + '.log')}): {tail[0][:300]}"
     result = json.loads(out.read_text())
     result["info"]["wall_s"] = round(time.time() - t0, 1)
+    out.write_text(json.dumps(result))  # with its wall time, for --reuse
     return result
 
 
@@ -440,6 +464,15 @@ def main(argv=None) -> int:
                     help="also run the streaming side at this tensor parallel size (vLLM's "
                          "multiprocess executor; on --device cpu one bound OpenMP thread per rank) "
                          "and compare it with the native side (TP 1) too (default 1: not run)")
+    ap.add_argument("--pipeline-parallel-size", type=int, default=1,
+                    help="also run the streaming side at this pipeline parallel size, each stage "
+                         "streaming its own layers (with --tensor-parallel-size: one side of "
+                         "TP x PP ranks; on --device cpu one bound OpenMP thread per rank) and "
+                         "compare it with the native side (TP 1, PP 1) too (default 1: not run)")
+    ap.add_argument("--reuse", action="store_true",
+                    help="reuse a side's result from an earlier run in --work when that run had "
+                         "the same plan (e.g. the single-rank streaming and native sides when a "
+                         "second run only adds another parallel side)")
     ap.add_argument("--timeout", type=int, default=1500, help="seconds per side (default 1500)")
     ap.add_argument("--work", type=Path, default=ROOT / "build" / "gpu-check-streaming",
                     help="scratch folder: models, plans, per-side results and logs")
@@ -467,10 +500,12 @@ def main(argv=None) -> int:
     if long_tokens <= budget_tokens:
         ap.error(f"--long-tokens {long_tokens} fits the device budget ({budget_tokens} tokens): "
                  "the check is about prompts larger than the device KV")
-    if args.tensor_parallel_size < 1:
-        ap.error("--tensor-parallel-size must be >= 1")
-    if args.device == "cpu" and args.tensor_parallel_size > len(os.sched_getaffinity(0)):
-        ap.error(f"--tensor-parallel-size {args.tensor_parallel_size} needs one CPU core per rank; "
+    if args.tensor_parallel_size < 1 or args.pipeline_parallel_size < 1:
+        ap.error("--tensor-parallel-size and --pipeline-parallel-size must be >= 1")
+    ranks = args.tensor_parallel_size * args.pipeline_parallel_size
+    if args.device == "cpu" and ranks > len(os.sched_getaffinity(0)):
+        ap.error(f"--tensor-parallel-size {args.tensor_parallel_size} x --pipeline-parallel-size "
+                 f"{args.pipeline_parallel_size} = {ranks} ranks need one CPU core each; "
                  f"this process may use {len(os.sched_getaffinity(0))}")
     if importlib.util.find_spec("vllm") is None:
         print(f"error: vLLM is not importable with {sys.executable}", file=sys.stderr)
@@ -501,6 +536,7 @@ def main(argv=None) -> int:
                               "cpu_exactness_dtype)" if dtype == "float16" and args.dtype == "auto"
                               else ""), flush=True)
     plan = {"device": args.device, "model": str(model), "max_model_len": max_model_len,
+            "python": sys.prefix,  # the venv, i.e. the base: --reuse never crosses bases
             "dtype": dtype,
             "max_num_seqs": args.max_num_seqs, "batched_tokens": args.batched_tokens,
             "budget_blocks": args.budget_blocks, "max_tokens": args.max_tokens,
@@ -528,11 +564,12 @@ def main(argv=None) -> int:
         print(f"{side:9s} {i.get('gpu', i['device'])}: compilation mode {i['compilation_mode']}, "
               f"cudagraph mode {i['cudagraph_mode']}, enforce_eager {i['enforce_eager']}, device "
               f"blocks {i['device_blocks']}, connector {i['connector']}; start {i['start_s']} s, "
-              f"generate {i['generate_s']} s, wall {i['wall_s']} s", flush=True)
+              f"generate {i['generate_s']} s, wall {i['wall_s']} s"
+              + (" (reused from an earlier run)" if i.get("reused") else ""), flush=True)
 
     # the streaming side first: it picks the control token; the native side then runs it too
     (work / "plan-streaming.json").write_text(json.dumps(plan))
-    streaming = run_side(work / "plan-streaming.json", "streaming", work, args.timeout)
+    streaming = run_side(work / "plan-streaming.json", "streaming", work, args.timeout, args.reuse)
     show("streaming", streaming)
     if isinstance(streaming, str):
         print(f"RESULT 0/{len(cases) + 1} identical; the streaming run failed (logs in {work})")
@@ -542,18 +579,30 @@ def main(argv=None) -> int:
     native_plan = dict(plan, control_pos=control["pos"],
                        cases=cases + [{"name": "control",
                                        "prompts": [control_prompt(long, control["pos"])]}])
-    tp = args.tensor_parallel_size
+    tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
     parallel = None
-    if tp > 1:  # the same cases and control token at TP > 1 (vLLM's workers in their own processes)
-        tp_side = f"streaming-tp{tp}"
-        (work / f"plan-{tp_side}.json").write_text(json.dumps(dict(native_plan, tensor_parallel_size=tp)))
-        parallel = run_side(work / f"plan-{tp_side}.json", tp_side, work, args.timeout)
-        show(tp_side, parallel)
+    # the parallel side's name and label: TP only, PP only, or both
+    par_side = "streaming" + (f"-tp{tp}" if tp > 1 else "") + (f"-pp{pp}" if pp > 1 else "")
+    par_label = ", ".join([f"TP {tp}"] * (tp > 1) + [f"PP {pp}"] * (pp > 1))
+    if tp * pp > 1:  # the same cases and control token at TP/PP > 1 (vLLM's workers in processes)
+        # vLLM keeps PP batches in flight and reserves device KV for all of them (vLLM 0.32:
+        # max_in_flight_tokens = PP x max_num_batched_tokens), so the PP side schedules
+        # batched_tokens / PP per step: the same tokens in flight, the same device budget
+        par_batched = max(PAGE, args.batched_tokens // pp)
+        if pp > 1:
+            print(f"{par_side}: max_num_batched_tokens {par_batched} ({args.batched_tokens} / PP "
+                  f"{pp}: {pp} batches in flight fit the same {args.budget_blocks} device blocks)",
+                  flush=True)
+        (work / f"plan-{par_side}.json").write_text(json.dumps(
+            dict(native_plan, tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                 batched_tokens=par_batched)))
+        parallel = run_side(work / f"plan-{par_side}.json", par_side, work, args.timeout)
+        show(par_side, parallel)
         if isinstance(parallel, str):
-            print(f"RESULT 0/{len(cases) + 1} identical; the {tp_side} run failed (logs in {work})")
+            print(f"RESULT 0/{len(cases) + 1} identical; the {par_side} run failed (logs in {work})")
             return 1
     (work / "plan-native.json").write_text(json.dumps(native_plan))
-    native = run_side(work / "plan-native.json", "native", work, args.timeout)
+    native = run_side(work / "plan-native.json", "native", work, args.timeout, args.reuse)
     show("native", native)
     if isinstance(native, str):
         print(f"RESULT 0/{len(cases) + 1} identical; the native run failed (logs in {work})")
@@ -561,7 +610,7 @@ def main(argv=None) -> int:
 
     failures = 0
     names = [c["name"] for c in native_plan["cases"]]
-    sides = [("", streaming)] + ([(f" (TP {tp})", parallel)] if parallel is not None else [])
+    sides = [("", streaming)] + ([(f" ({par_label})", parallel)] if parallel is not None else [])
     for (label, side), name in ((s, n) for s in sides for n in names):
         same, worst, note = compare(native["results"][name]["outputs"],
                                     side["results"][name]["outputs"], args.tol)
@@ -591,10 +640,10 @@ def main(argv=None) -> int:
           f"streaming output {'changed' if changed else 'UNCHANGED'} (max logprob diff "
           f"{c_diff:.4f}{'; ' + c_note if c_note else ''}); native "
           f"{'unchanged' if n_unchanged else 'changed'} (max logprob diff {n_diff:.4f})", flush=True)
-    if parallel is not None:  # the control must be visible at TP > 1 too
+    if parallel is not None:  # the control must be visible at TP/PP > 1 too
         tp_unchanged, tp_diff, _ = compare(parallel["results"]["long"]["outputs"],
                                            parallel["results"]["control"]["outputs"], args.tol)
-        print(f"control (TP {tp}) streaming output {'UNCHANGED' if tp_unchanged else 'changed'} "
+        print(f"control ({par_label}) streaming output {'UNCHANGED' if tp_unchanged else 'changed'} "
               f"(max logprob diff {tp_diff:.4f})", flush=True)
         changed = changed and not tp_unchanged
     calls = streaming["info"].get("streaming_calls") or {}

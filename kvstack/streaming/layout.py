@@ -3,6 +3,7 @@ derived from vLLM's KV cache config (the streaming group, its block size, the ho
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -44,6 +45,11 @@ class ReqStep:
 class StreamingMetadata(KVConnectorMetadata):
     reqs: list[ReqStep] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)  # tables the worker drops (first)
+    # shared tier (shared_tier.py): pages fetched from LMCache's storage and checked by the
+    # scheduler, for the worker to copy into the host store before the forward: (page, payload);
+    # and full prompt pages this step completes, for the worker to store after it: (page, hash)
+    loads: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    saves: list[tuple[int, bytes]] = field(default_factory=list)
 
 
 class PageTables:
@@ -95,6 +101,9 @@ class _Layout:
     dtype: torch.dtype
     num_pages: int
     reuse_ok: bool  # prefix reuse needs no device KV restored
+    # a reused prefix ends on a multiple of this many tokens (0: of the page): where every
+    # chunked-local layer's chunk ends, so those layers need no K/V from before it
+    reuse_granule: int = 0
     # every streaming group, and each streaming layer's group (one group: just `group`)
     groups: tuple[int, ...] = ()
     layer_groups: tuple[tuple[str, int], ...] = ()
@@ -110,14 +119,41 @@ class _Layout:
         return dict(self.layer_groups).get(layer_name, self.group)
 
 
+def _max_stage_layers(cfg: StreamingConfig, vllm_config: "VllmConfig", pp: int) -> int:
+    """Pipeline parallelism: the most streaming layers one stage may hold, from the model config
+    and vLLM's own layer partition (``get_pp_indices``), the same number on every side (a KV
+    cache config names only its stage's layers). Exact for ``streaming_layers: "auto"`` on iRoPE
+    models (their NoPE layers) and on models whose config lists ``layer_types`` (their
+    ``full_attention`` layers); otherwise every layer of the stage, an upper bound."""
+    from vllm.distributed.utils import get_pp_indices
+
+    model = vllm_config.model_config
+    total = model.get_total_num_hidden_layers()
+    hf = getattr(model, "hf_text_config", None)
+    streams = [True] * total
+    if cfg.streaming_layers is None:
+        no_rope = getattr(hf, "no_rope_layers", None)
+        types = getattr(hf, "layer_types", None)
+        if no_rope:
+            streams = [i < len(no_rope) and not no_rope[i] for i in range(total)]
+        elif types and len(types) == total:
+            streams = [t == "full_attention" for t in types]
+    return max(1, max(sum(streams[slice(*get_pp_indices(total, rank, pp))])
+                      for rank in range(pp)))
+
+
 def _layout(cfg: StreamingConfig, vllm_config: "VllmConfig",
             kv_cache_config: "KVCacheConfig") -> _Layout:
     from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, SlidingWindowSpec
 
+    # Pipeline parallelism: each KV cache config names only its own stage's layers (the
+    # scheduler's is the first stage's), so another stage's streaming group is here, empty.
+    pp = getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1) or 1
     groups = [gi for gi, g in enumerate(kv_cache_config.kv_cache_groups)
               if isinstance(g.kv_cache_spec, SlidingWindowSpec)
               and g.kv_cache_spec.sliding_window == cfg.device_window_tokens
-              and any(selects_layer(cfg, vllm_config.model_config, n) for n in g.layer_names)]
+              and (any(selects_layer(cfg, vllm_config.model_config, n) for n in g.layer_names)
+                   or (pp > 1 and not g.layer_names))]
     if not groups:
         raise ValueError(
             "kvstack StreamingConnector: no streaming layer in the KV cache config. Is the "
@@ -137,21 +173,28 @@ def _layout(cfg: StreamingConfig, vllm_config: "VllmConfig",
                          for n in kv_cache_config.kv_cache_groups[gi].layer_names
                          if selects_layer(cfg, vllm_config.model_config, n))
     layers = tuple(n for n, _ in layer_groups)
-    per_token = 2 * spec.num_kv_heads * spec.head_size * spec.dtype.itemsize * len(layers)
-    num_pages = int(cfg.host_tier_gib * (1 << 30)) // (per_token * cfg.page_tokens)
+    # host_tier_gib is what one rank holds at most; every side of an engine must agree on the
+    # page count, so under pipeline parallelism it is sized for the largest stage
+    per_layer = 2 * spec.num_kv_heads * spec.head_size * spec.dtype.itemsize
+    stage_layers = len(layers) if pp == 1 else _max_stage_layers(cfg, vllm_config, pp)
+    num_pages = int(cfg.host_tier_gib * (1 << 30)) // (per_layer * stage_layers * cfg.page_tokens)
     others = [x.kv_cache_spec for gi, x in enumerate(kv_cache_config.kv_cache_groups)
               if gi not in groups]
     # Prefix reuse restores nothing on the device, so every other layer must need no KV from
-    # before a page boundary: none (all layers stream) or chunked-local layers whose chunk
-    # divides the page (Llama-4: a reused prefix ends where a chunk ends).
+    # before the end of the reused prefix: none (all layers stream) or chunked-local layers
+    # (Llama-4), whose attention starts afresh at each chunk: a reused prefix then ends where
+    # a page and every chunk end (the least common multiple; Llama-4-Scout's 8,192-token chunk
+    # with 32-token pages: hits in steps of 8,192 tokens, at most 8,191 tokens recomputed).
     in_groups = sum(len(kv_cache_config.kv_cache_groups[gi].layer_names) for gi in groups)
     reuse_ok = len(layers) == in_groups and all(
-        isinstance(o, ChunkedLocalAttentionSpec)
-        and cfg.page_tokens % o.attention_chunk_size == 0 for o in others)
+        isinstance(o, ChunkedLocalAttentionSpec) for o in others)
+    reuse_granule = math.lcm(cfg.page_tokens, *(o.attention_chunk_size for o in others
+                                                if isinstance(o, ChunkedLocalAttentionSpec)))
     sched = vllm_config.scheduler_config
     # a step's tokens span at most one page more per request than they fill
     sink_pages = -(-sched.max_num_batched_tokens // cfg.page_tokens) + sched.max_num_seqs
     return _Layout(group=groups[0], block_size=spec.block_size, layers=layers,
                    num_kv_heads=spec.num_kv_heads, head_size=spec.head_size, dtype=spec.dtype,
-                   num_pages=num_pages, reuse_ok=reuse_ok, groups=tuple(groups),
+                   num_pages=num_pages, reuse_ok=reuse_ok, reuse_granule=reuse_granule,
+                   groups=tuple(groups),
                    layer_groups=layer_groups, sink_pages=sink_pages)

@@ -5,13 +5,18 @@ Two stages, both before the first request:
 
 - `check_engine(vllm_config)`: the engine configuration. Run where the KV cache specs are
   collected (``get_kv_paging_window``, in every worker) and when each side of the connector is
-  built. Refused: vLLM's prefix caching, the hybrid KV cache manager switched off, tensor /
-  pipeline / context parallelism, speculative decoding, MLA models, a quantized KV cache dtype
+  built. Refused: vLLM's prefix caching, the hybrid KV cache manager switched off, decode /
+  prefill context parallelism, speculative decoding, MLA models, a quantized KV cache dtype
   (fp8 ...), the attention + quantization fusion pass (quantized attention output), and any CUDA
   graph mode that would capture the attention of a streaming layer (full graphs, or piecewise
   graphs whose pieces do not split at attention). ``StreamingConnector`` declares
   ``requires_piecewise_for_cudagraph``, so vLLM turns its GPU default FULL_AND_PIECEWISE into
   PIECEWISE before this check runs; the check catches what is still unsafe.
+  Served: tensor parallelism (each rank streams its own KV heads into its own host tier) and
+  pipeline parallelism (each stage streams its own layers into its own host tier, sized for the
+  largest stage: layout._max_stage_layers); the scheduler side, with the page table, stays one
+  per engine. Both run on vLLM's own multiprocess executor. Refused there: a file-backed host
+  tier (``host_tier_path``), which every rank would map at once.
 - `check_layers(vllm_config, layout)`: the loaded model's attention layers (worker side, when
   the KV caches are registered). Refused: a streaming layer that reads another layer's KV cache
   (KV sharing), an attention type other than decoder self-attention, and a layer the
@@ -62,13 +67,20 @@ def engine_problems(vllm_config: "VllmConfig") -> list[str]:
             "VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE=1 and do not pass "
             "--disable-hybrid-kv-cache-manager")
     par = vllm_config.parallel_config
-    for name, what in (("pipeline_parallel_size", "pipeline"),
-                       ("decode_context_parallel_size", "decode context"),
+    for name, what in (("decode_context_parallel_size", "decode context"),
                        ("prefill_context_parallel_size", "prefill context")):
         size = getattr(par, name, 1) or 1
         if size > 1:
             problems.append(f"{what} parallelism ({name}={size}) is not supported with "
                             "streaming layers yet; run one rank")
+    ranks = (getattr(par, "tensor_parallel_size", 1) or 1) * (
+        getattr(par, "pipeline_parallel_size", 1) or 1)
+    extra = getattr(getattr(vllm_config, "kv_transfer_config", None),
+                    "kv_connector_extra_config", None) or {}
+    if ranks > 1 and extra.get("host_tier_path"):
+        problems.append(f"host_tier_path with {ranks} ranks (tensor x pipeline parallel): every "
+                        "rank would map the same file for its own host tier; drop host_tier_path "
+                        "(each rank keeps its host tier in memory) or run one rank")
     if vllm_config.speculative_config is not None:
         problems.append("speculative decoding is not supported with streaming layers "
                         "(drop --speculative-config)")

@@ -1,9 +1,11 @@
-"""`vllm serve` with kvstack's StreamingConnector under tensor parallelism (issue 17), as the README
-shows it: the command of test_streaming_server.py plus ``--tensor-parallel-size 2
---distributed-executor-backend mp``, each rank on its own bound core (``VLLM_CPU_OMP_THREADS_BIND``).
+"""`vllm serve` with kvstack's StreamingConnector under tensor and pipeline parallelism (issue 17),
+as the README shows it: the command of test_streaming_server.py plus ``--tensor-parallel-size 2``
+or ``--pipeline-parallel-size 2`` (``--distributed-executor-backend mp``), each rank on its own
+bound core (``VLLM_CPU_OMP_THREADS_BIND``).
 
-Each rank streams the K/V of its own KV heads from its own host tier; the scheduler side (one per
-engine) admits requests and reuses prefixes for both. Compared against offline `LLM.generate` at
+Under TP each rank streams the K/V of its own KV heads from its own host tier; under PP each stage
+streams its own layers (the tiny Llama-4's NoPE layer 3 is in the second stage); the scheduler
+side (one per engine) admits requests and reuses prefixes for all ranks. Compared against offline `LLM.generate` at
 TP 1 without a connector (test_streaming_server.py's reference prompts): the long prompts (beyond
 the whole device KV budget), a repeated prompt served from the host tier (the hit counted on
 /metrics), and a concurrent batch.
@@ -20,7 +22,11 @@ from vllm_server import ROOT, OfflineRun, Server, serving
 
 pytestmark = [pytest.mark.env, pytest.mark.slow, pytest.mark.streaming_hooks]
 
-PARALLEL = {"tp2": ["--tensor-parallel-size", "2", "--distributed-executor-backend", "mp"]}
+PARALLEL = {"tp2": ["--tensor-parallel-size", "2", "--distributed-executor-backend", "mp"],
+            "pp2": ["--pipeline-parallel-size", "2", "--distributed-executor-backend", "mp"]}
+# vLLM reserves device KV for every batch in flight (PP of them): at PP 2 the same 32 blocks hold
+# steps of 64 tokens, not 128.
+STEP_TOKENS = {"tp2": "128", "pp2": "64"}
 # One OpenMP thread per rank, bound to its own core (the CPU engine's default binding would give
 # each rank every core).
 ENV = {**st.ENV, "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
@@ -31,8 +37,9 @@ ENV = {**st.ENV, "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
 # cpu_exactness_dtype), where TP 2 and TP 1 agree.
 DTYPE = "float16"
 SERVE = {name: [st.SERVE[0], *args, *st.SERVE[1:]] for name, args in PARALLEL.items()}
-for _argv in SERVE.values():
+for _name, _argv in SERVE.items():
     _argv[_argv.index("--dtype") + 1] = DTYPE
+    _argv[_argv.index("--max-num-batched-tokens") + 1] = STEP_TOKENS[_name]
 PROMPTS = {**st.GREEDY, **st.REUSE, **{k: st.MIXED[k] for k in list(st.MIXED)[:4]}}
 
 

@@ -2,8 +2,9 @@
 engine (`--device cpu --long-tokens 4096`): streaming vs native on the sharpened tiny Llama-4 at
 a device budget smaller than the prompts give the same greedy tokens and top-5 logprobs (within
 0.05 nats) for a mixed batch, a prefix reuse and a long prompt attended in several windows, and
-the negative control (one history token of the long prompt changed) changes the output. The
-judgement and the model surgery are pinned without an engine."""
+the negative control (one history token of the long prompt changed) changes the output; the
+streaming side at TP 2 and at PP 2 (vLLM's multiprocess executor, one bound core per rank) against
+the same TP 1 native run too. The judgement and the model surgery are pinned without an engine."""
 
 from __future__ import annotations
 
@@ -59,6 +60,24 @@ def test_streaming_equals_native_on_the_cpu_engine(tmp_path):
     assert [i for i, (a, b) in enumerate(zip(long, control)) if a != b] == [info["control"]["pos"]]
     # the sharpened model is what both sides ran
     assert plan["model"].endswith("llama4-sharp")
+
+    # PP 2: the streaming side once more, two pipeline stages in their own worker processes (one
+    # bound OpenMP thread each), each stage streaming its own layers (the NoPE layer is in the
+    # second stage), against the same TP 1 native run and control token. --reuse keeps the
+    # single-rank streaming and native results of the run above (same plans): only the PP side runs
+    res = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--long-tokens", "4096",
+                          "--pipeline-parallel-size", "2", "--reuse", "--work", str(tmp_path)],
+                         capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    lines = res.stdout.strip().splitlines()
+    assert lines[-1].startswith("RESULT 10/10 identical; control changed"), res.stdout
+    assert res.stdout.count("(reused from an earlier run)") == 2, res.stdout
+    pp2 = json.loads((tmp_path / "streaming-pp2.json").read_text())
+    assert pp2["info"]["pipeline_parallel_size"] == 2 and pp2["info"]["tensor_parallel_size"] == 1
+    assert pp2["info"]["connector"] == "StreamingConnector"
+    assert pp2["info"]["device_blocks"] == 48 and pp2["plan"]["batched_tokens"] == 128
+    assert pp2["results"]["prefix-b"]["prefix_hit_tokens"] > 0
+    assert "control (PP 2) streaming output changed" in res.stdout
 
 
 def test_bad_usage_exits_2_before_any_engine(tmp_path):

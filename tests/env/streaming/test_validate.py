@@ -47,7 +47,6 @@ REFUSED = {
     "prefix caching": ({"cache_config.enable_prefix_caching": True}, "--no-enable-prefix-caching"),
     "no hybrid manager": ({"scheduler_config.disable_hybrid_kv_cache_manager": True},
                           "VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE"),
-    "pipeline parallel": ({"parallel_config.pipeline_parallel_size": 2}, "pipeline parallelism"),
     "context parallel": ({"parallel_config.decode_context_parallel_size": 2}, "decode context"),
     "speculative decoding": ({"speculative_config": object()}, "speculative decoding"),
     "MLA": ({"model_config.use_mla": True}, "MLA"),
@@ -76,6 +75,52 @@ def test_tensor_parallelism_is_served():
     from kvstack.streaming.validate import engine_problems
 
     assert engine_problems(_config(**{"parallel_config.tensor_parallel_size": 2})) == []
+
+
+def test_pipeline_parallelism_is_served():
+    """Each stage streams its own layers into its own host tier; the scheduler side (whose KV
+    cache config names only the first stage's layers) stays one per engine, and every side sizes
+    the page table alike, for the stage with the most streaming layers (check_streaming.py
+    --pipeline-parallel-size 2 runs it end to end)."""
+    from kvstack.streaming.config import StreamingConfig
+    from kvstack.streaming.layout import _max_stage_layers
+    from kvstack.streaming.validate import engine_problems
+
+    assert engine_problems(_config(**{"parallel_config.pipeline_parallel_size": 2})) == []
+    assert engine_problems(_config(**{"parallel_config.pipeline_parallel_size": 2,
+                                      "parallel_config.tensor_parallel_size": 2})) == []
+
+    def vllm_config(total, **hf):
+        model = SimpleNamespace(get_total_num_hidden_layers=lambda: total,
+                                hf_text_config=SimpleNamespace(**hf))
+        return SimpleNamespace(model_config=model)
+
+    auto = StreamingConfig()
+    # the tiny Llama-4 (NoPE layer 3): stages [0, 1] and [2, 3], the second holds the one
+    no_rope = vllm_config(4, no_rope_layers=[1, 1, 1, 0])
+    assert _max_stage_layers(auto, no_rope, 2) == 1
+    # Llama-4 style, a NoPE layer every 4th: 48 layers in 2 stages of 24, 6 NoPE layers each
+    scout = vllm_config(48, no_rope_layers=[int((i + 1) % 4 != 0) for i in range(48)])
+    assert _max_stage_layers(auto, scout, 2) == 6 and _max_stage_layers(auto, scout, 4) == 3
+    # layer_types: only the full-attention layers stream; 5 layers in 2 stages of 3 and 2
+    typed = vllm_config(5, layer_types=["sliding_attention", "full_attention", "full_attention",
+                                        "sliding_attention", "full_attention"])
+    assert _max_stage_layers(auto, typed, 2) == 2
+    # no per-layer information, or explicit regexes: every layer of the largest stage (a bound)
+    assert _max_stage_layers(auto, vllm_config(5), 2) == 3
+    assert _max_stage_layers(StreamingConfig(streaming_layers=(r"\.3\.",)), no_rope, 2) == 2
+
+
+def test_a_file_backed_host_tier_is_refused_with_several_ranks():
+    """Every rank would map the same host_tier_path for its own host tier."""
+    from kvstack.streaming.validate import engine_problems
+
+    tier = SimpleNamespace(kv_connector_extra_config={"host_tier_path": "/tmp/tier.bin"})
+    assert engine_problems(_config(kv_transfer_config=tier)) == []
+    for size in ("tensor_parallel_size", "pipeline_parallel_size"):
+        (problem,) = engine_problems(_config(**{"kv_transfer_config": tier,
+                                                f"parallel_config.{size}": 2}))
+        assert "host_tier_path with 2 ranks" in problem
 
 
 @pytest.mark.parametrize("mode", ["FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"])
