@@ -33,6 +33,17 @@ Keys of ``kv_connector_extra_config`` (all optional):
   the kernel's cache layout and attended in place by vLLM's own CPU kernel, the whole batch in one
   call per layer, with no windows (see ``cpu_native.py``); false forces the windowed torch path
   (what a GPU runs) everywhere. ``window_tokens`` applies to the windowed path only.
+- ``lmcache`` (default none): the **shared tier**, a dict of LMCache config keys: full prompt pages
+  of the streaming layers are also written through LMCache's storage (its StorageManager and
+  backends) and a new request's prefix is looked up there after the host tier, so another engine
+  process or host that shares only the backend reuses it (shared_tier.py). Keys: ``remote_url``
+  (``lm://HOST:PORT`` = ``lmcache_server``, ``redis://HOST:PORT``, ...), ``remote_serde``
+  (``"naive"`` only), ``local_disk`` + ``max_local_disk_size`` (GB), ``max_local_cpu_size`` (GB of
+  LMCache's staging buffer for objects in flight, default 0.5), ``blocking_timeout_secs``,
+  ``extra_config``; ``local_cpu`` must stay false (the host tier is the RAM copy). At least one
+  backend; anything else is refused at start-up, as are prefix reuse off, layers outside the host
+  tier that would need their device KV restored (``prefix_reuse`` impossible) and tensor
+  parallelism. A backend that is down or goes away costs a recompute and a warning.
 """
 
 from __future__ import annotations
@@ -57,6 +68,12 @@ class StreamingConfig:
     on_host_tier_full: str = "fail"
     cpu_native_attention: bool = True
     decode_reserve_tokens: int | None = 256  # None: "max" (prompt + max_tokens)
+    # the shared tier: LMCache config (sorted items; `lmcache_config` gives the dict), or None
+    lmcache: tuple[tuple[str, Any], ...] | None = None
+
+    @property
+    def lmcache_config(self) -> dict[str, Any] | None:
+        return dict(self.lmcache) if self.lmcache is not None else None
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> "StreamingConfig":
@@ -80,6 +97,7 @@ class StreamingConfig:
             cpu_native_attention=bool(extra.get("cpu_native_attention", True)),
             decode_reserve_tokens=_reserve(extra.get("decode_reserve_tokens",
                                                      cls.decode_reserve_tokens)),
+            lmcache=_lmcache(extra.get("lmcache")),
         )
         for name in ("window_tokens", "device_window_tokens", "page_tokens"):
             if getattr(cfg, name) <= 0:
@@ -95,6 +113,15 @@ class StreamingConfig:
     def from_vllm_config(cls, vllm_config: Any) -> "StreamingConfig":
         ktc = vllm_config.kv_transfer_config
         return cls.from_extra(ktc.kv_connector_extra_config if ktc is not None else None)
+
+
+def _lmcache(value: Any) -> tuple[tuple[str, Any], ...] | None:
+    if value is None:
+        return None
+    from .shared_tier import check_config  # no LMCache import: checks the keys only
+
+    checked = check_config(value)
+    return tuple(sorted(checked.items())) if checked is not None else None
 
 
 def _reserve(value: Any) -> int | None:

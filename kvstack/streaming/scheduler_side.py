@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 from .config import StreamingConfig
 from .host_tier import HostTierFull, PagePool, page_hashes
 from .layout import ReqStep, StreamingMetadata, _Layout
+from .shared_tier import SharedTier, open_for_engine, predict_store_tag
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -51,6 +52,10 @@ class _SchedulerSide:
                 f"cannot hold one request of max_model_len={max_len}; raise host_tier_gib or "
                 f"lower max_model_len (longer requests are then refused up front by vLLM).")
         self.prefix_reuse = cfg.prefix_reuse and layout.reuse_ok
+        self._granule_pages = max(1, layout.reuse_granule // cfg.page_tokens)
+        if self.prefix_reuse and self._granule_pages > 1:
+            logger.info("kvstack streaming: prefix reuse in steps of %d tokens (where the "
+                        "chunked-local layers' chunks end)", layout.reuse_granule)
         if cfg.prefix_reuse and not self.prefix_reuse:
             logger.warning("kvstack streaming: prefix reuse off (layers outside the host tier "
                            "would need their device KV restored)")
@@ -64,6 +69,14 @@ class _SchedulerSide:
         self._sent: dict[str, int] = {}
         self._finished: list[str] = []
         self.max_pages_in_use = 0
+        # the shared tier (LMCache's storage below the host tier; shared_tier.py)
+        self.shared: SharedTier | None = None
+        self._fetched: dict[str, tuple[int, list]] = {}  # rid -> (pool hit, fetched payloads)
+        self._saved: dict[str, int] = {}  # rid -> leading prompt pages the shared tier holds
+        self._loads: list[tuple[int, Any]] = []  # (page, payload) for the next step's worker
+        if cfg.lmcache is not None:
+            self.shared = open_for_engine(cfg, layout, vllm_config,
+                                          predict_store_tag(cfg, vllm_config, layout))
 
     def _hashes_of(self, request: "Request") -> list[bytes]:
         h = self._hashes.get(request.request_id)
@@ -83,9 +96,23 @@ class _SchedulerSide:
             return 0, False
         need = self._admission_pages(request)
         hit_pages = 0
+        shared_pages = 0
         if self.prefix_reuse and num_computed_tokens == 0:
+            limit = (request.num_prompt_tokens - 1) // self.cfg.page_tokens
             hit_pages = self.pool.match_prefix(self._hashes_of(request))
-            hit_pages = min(hit_pages, (request.num_prompt_tokens - 1) // self.cfg.page_tokens)
+            hit_pages = min(hit_pages, limit)
+            if self.shared is not None and hit_pages < limit:
+                # after the host tier, the hash chain goes on in LMCache's storage: only pages
+                # fetched and checked now count as a hit (a backend that fails costs a recompute)
+                fetched = self._fetched.get(rid)
+                if fetched is None or fetched[0] != hit_pages:
+                    fetched = self._fetched[rid] = (
+                        hit_pages, self.shared.fetch(self._hashes_of(request), hit_pages, limit))
+                shared_pages = len(fetched[1])
+            # end where every local chunk ends (the host tier's pages first, then the shared's)
+            total = hit_pages + shared_pages
+            total -= total % self._granule_pages
+            hit_pages, shared_pages = min(hit_pages, total), max(0, total - hit_pages)
         # Cached pages this request hits are taken, not freed: counted once, as hits.
         idle_hits = self.pool.num_idle_hits(self._hashes_of(request), hit_pages) if hit_pages else 0
         free = self.pool.num_available() - idle_hits - self._outstanding()
@@ -103,7 +130,8 @@ class _SchedulerSide:
                     f"({len(self._reserved)} running request(s) hold the rest of "
                     f"{self.pool.capacity_tokens}); retry later, or raise host_tier_gib")
             return None, False  # not scheduled; the scheduler fails it (take_failed)
-        return hit_pages * self.cfg.page_tokens, False
+        # pages from the shared tier need pages of the host tier: counted in `need` above
+        return (hit_pages + shared_pages) * self.cfg.page_tokens, False
 
     def _admission_pages(self, request: "Request") -> int:
         """Pages reserved when a request is admitted: its prompt and the first
@@ -133,6 +161,7 @@ class _SchedulerSide:
         failed, self._failed = self._failed, {}
         for rid in failed:
             self._hashes.pop(rid, None)
+            self._fetched.pop(rid, None)
         return failed
 
     def update_state_after_alloc(self, request: "Request", num_external_tokens: int):
@@ -140,9 +169,27 @@ class _SchedulerSide:
         if self.pool.has(rid):
             return
         hashes = self._hashes_of(request) if self.prefix_reuse else []
-        self.pool.start(rid, hashes, num_external_tokens // self.cfg.page_tokens)
+        hit = num_external_tokens // self.cfg.page_tokens
+        pool_hit, fetched = self._fetched.pop(rid, (hit, []))
+        pool_hit = min(pool_hit, hit)
+        self.pool.start(rid, hashes, pool_hit)
         self._reserved[rid] = self._admission_pages(request)
         self._prompt_len[rid] = request.num_prompt_tokens
+        if self.shared is not None:
+            shared = min(hit - pool_hit, len(fetched))
+            if shared > 0:
+                # pages for what the shared tier gave: filled by the worker before the forward
+                # (meta.loads), published under their hashes at once (the same step's other
+                # requests may hit them: they are attended after the copy)
+                self.pool.ensure(rid, (pool_hit + shared) * self.cfg.page_tokens)
+                pages = self.pool.pages(rid)[pool_hit:pool_hit + shared]
+                self._loads.extend(zip(pages, fetched[:shared]))
+                self.pool.register_full_pages(rid, hashes, (pool_hit + shared) * self.cfg.page_tokens)
+                self.pool.stats.prefix_hit_tokens += shared * self.cfg.page_tokens
+                if not pool_hit:
+                    self.pool.stats.prefix_hit_requests += 1
+            # the pages before the hit's end came from a tier that has them: not stored again
+            self._saved[rid] = pool_hit + max(shared, 0)
 
     def build_meta(self, so: "SchedulerOutput") -> StreamingMetadata:
         meta = StreamingMetadata()
@@ -201,9 +248,24 @@ class _SchedulerSide:
             if self.prefix_reuse:
                 self.pool.register_full_pages(
                     rid, self._hashes.get(rid, []), min(start + n, self._prompt_len.get(rid, 0)))
+                if self.shared is not None:
+                    self._save_full_pages(meta, rid, start + n)
         self.max_pages_in_use = max(self.max_pages_in_use, self.pool.num_used())
         meta.finished, self._finished = self._finished, []
+        meta.loads, self._loads = self._loads, []
         return meta
+
+    def _save_full_pages(self, meta: StreamingMetadata, rid: str, computed: int) -> None:
+        """List for the worker the full prompt pages this step completes (stored once each, after
+        the forward; pages that came from a tier are not written back)."""
+        hashes = self._hashes.get(rid, [])
+        full = min(computed, self._prompt_len.get(rid, 0)) // self.cfg.page_tokens
+        full = min(full, len(hashes))
+        done = self._saved.get(rid, 0)
+        if full > done:
+            pages = self.pool.pages(rid)
+            meta.saves.extend((pages[i], hashes[i]) for i in range(done, full))
+            self._saved[rid] = full
 
     def _step(self, rid: str, start: int, n: int, first: int, anchors: dict[int, int],
               sink: list[int] | None = None) -> ReqStep:
@@ -227,6 +289,8 @@ class _SchedulerSide:
         self._blocks.pop(rid, None)
         self._prompt_len.pop(rid, None)
         self._failed.pop(rid, None)
+        self._fetched.pop(rid, None)
+        self._saved.pop(rid, None)
 
     def stats(self) -> dict[str, Any]:
         s = self.pool.stats
@@ -244,4 +308,5 @@ class _SchedulerSide:
             evicted_pages=s.evicted_pages,
             waited_for_space=s.waited_for_space,
             failed_host_tier_full=s.failed_host_tier_full,
+            **(self.shared.stats if self.shared is not None else {}),
         )

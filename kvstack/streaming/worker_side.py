@@ -9,8 +9,10 @@ import torch
 
 from . import cpu_native
 from .config import StreamingConfig
+from .compat import cpu_attn_isa
 from .host_tier import HostStore
 from .layout import PageTables, ReqStep, StreamingMetadata, _Layout
+from .shared_tier import SharedTier, open_for_engine, predict_store_tag, store_tag
 from .windowed import Features, windowed_attention
 
 
@@ -28,6 +30,8 @@ class _WorkerSide:
         self.in_place = False
         self._features: dict[str, Features] = {}  # layers whose backend adds to plain softmax
         self._pending: set[str] = set()  # streaming layers not yet computed in this step
+        self.shared: SharedTier | None = None  # the shared tier (LMCache's storage), if any
+        self._saves: list[tuple[int, bytes]] = []  # this step's full prompt pages to store
 
     def prepare(self, vllm_config) -> None:
         """Start-up, once the model is loaded: pick the path from the layers' backend, open the
@@ -47,6 +51,17 @@ class _WorkerSide:
             if not feat.plain:
                 self._features[layer.layer_name] = feat
         self._open_store()
+        if self.cfg.lmcache is not None:
+            # the shared tier's objects are pages in the host store's layout: the scheduler keys
+            # its lookups with the layout predicted from the configuration, so it must be this one
+            tag = store_tag(self.in_place, cpu_attn_isa(layers[0]) if self.in_place else None)
+            predicted = predict_store_tag(self.cfg, vllm_config, self.layout)
+            if tag != predicted:
+                raise ValueError(
+                    f"kvstack StreamingConnector: the shared tier ('lmcache') cannot key this "
+                    f"engine's pages: the host store's layout is {tag!r}, predicted {predicted!r} "
+                    "from the configuration; set cpu_native_attention: false (token layout)")
+            self.shared = open_for_engine(self.cfg, self.layout, vllm_config, tag)
 
     def _open_store(self) -> None:
         # the sink pages after the page table: where a request that could not grow writes its
@@ -60,6 +75,9 @@ class _WorkerSide:
 
     def begin_step(self, meta: StreamingMetadata) -> None:
         self.tables.apply(meta)
+        if meta.loads:
+            self._load_pages(meta.loads)  # before the forward attends them
+        self._saves = meta.saves
         self._pending = set(self.layers) if meta.reqs else set()
         first = self.layout.group
         self._by_slot = {g: {r.anchor(g, first): r for r in meta.reqs}
@@ -77,6 +95,26 @@ class _WorkerSide:
                 + " were not computed by the connector in this step (captured in a CUDA graph, "
                 "or the hooks patch is missing); their output would be wrong. Use cudagraph_mode "
                 "PIECEWISE with attention among the splitting ops, or enforce_eager.")
+        saves, self._saves = self._saves, []
+        if saves and self.shared is not None:
+            self.shared.put_pages([(h, self._page_parts(p)) for p, h in saves])
+
+    # ---- the shared tier: a page's bytes of every streaming layer, in the store's layout ----
+    def _page_parts(self, page: int) -> list[torch.Tensor]:
+        parts = []
+        for name in self.layout.layers:
+            views = ([self.store.kv[name][page]] if self.store.layout == "cpu_kernel"
+                     else [self.store.k[name][page], self.store.v[name][page]])
+            parts.extend(v.reshape(-1).view(torch.uint8) for v in views)
+        return parts
+
+    def _load_pages(self, loads: list[tuple[int, torch.Tensor]]) -> None:
+        """Copy pages the scheduler fetched (and checked) from the shared tier into the store."""
+        for page, payload in loads:
+            off = 0
+            for part in self._page_parts(page):
+                part.copy_(payload[off:off + part.numel()])
+                off += part.numel()
 
     def _batch(self, name: str, attn_metadata) -> "_Batch":
         """The step's requests in batch order, matched once per step and group (two host

@@ -11,81 +11,13 @@ group is killed between its two prompts) and must recompute with the same tokens
 
 from __future__ import annotations
 
-import os
-import shutil
-import signal
-import socket
-import subprocess
-import sys
-import time
-from pathlib import Path
-
 import pytest
 
 pytest.importorskip("vllm")
 pytest.importorskip("lmcache")
 
+from kvstack.testbed.backend_servers import start_or_skip as _start, stop as _stop  # noqa: E402
 from test_e2e_cpu import PROMPT_A, PROMPT_EXT, qwen_baseline, qwen_model, run_engine, tiny  # noqa: E402,F401
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_port(port: int, proc: subprocess.Popen, what: str) -> None:
-    for _ in range(200):
-        if proc.poll() is not None:
-            raise AssertionError(f"{what} exited with {proc.returncode} before listening")
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            return
-        except OSError:
-            time.sleep(0.1)
-    raise AssertionError(f"{what} did not listen on 127.0.0.1:{port}")
-
-
-def _redis_server() -> str:
-    """Debian's redis-server, installed with apt-get when missing and running as root (as in
-    CI); elsewhere the test skips, except under CI, where it fails."""
-    exe = shutil.which("redis-server")
-    if exe is None and os.geteuid() == 0 and shutil.which("apt-get"):
-        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-        cmd = ["apt-get", "install", "-y", "--no-install-recommends", "redis-server"]
-        if subprocess.run(cmd, env=env, capture_output=True).returncode != 0:
-            subprocess.run(["apt-get", "update"], env=env, capture_output=True)
-            subprocess.run(cmd, env=env, capture_output=True)
-        exe = shutil.which("redis-server")
-    if exe is None:
-        msg = "redis-server is not installed (Debian package redis-server)"
-        if os.environ.get("CI"):
-            pytest.fail(msg)
-        pytest.skip(msg)
-    return exe
-
-
-def _start(backend: str, tmp_path: Path):
-    """(server process, LMCACHE_REMOTE_URL) for a backend listening on 127.0.0.1 only."""
-    port = _free_port()
-    if backend == "lmcache_server":
-        cmd = [str(Path(sys.executable).with_name("lmcache_server")), "127.0.0.1", str(port)]
-        url = f"lm://127.0.0.1:{port}"
-    else:
-        exe = _redis_server()
-        cmd = [exe, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no",
-               "--dir", str(tmp_path)]
-        url = f"redis://127.0.0.1:{port}"
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
-    _wait_port(port, proc, backend)
-    return proc, url
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=30)
 
 
 @pytest.mark.parametrize("backend", ["lmcache_server", "redis"])
