@@ -18,22 +18,15 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 import test_streaming_server as st
+from kvtest import on_default_base
 from vllm_server import ROOT, OfflineRun, Server, serving
-
-
-def _on_default_base() -> bool:
-    import os
-
-    from kvstack.release.pins import default_base
-
-    return (os.environ.get("KVSTACK_BASE") or default_base()) == default_base()
 
 
 # CI time: the README's commands run the default base's venv; on the other base the same TP 2 /
 # PP 2 streaming engines are checked offline (ci/gpu/check_streaming.py, test_gpu_check_streaming_script.py).
 # Both bases passed this file on 2026-11-24.
 pytestmark = [pytest.mark.env, pytest.mark.slow, pytest.mark.streaming_hooks,
-              pytest.mark.skipif(not _on_default_base(), reason="runs on the default base only "
+              pytest.mark.skipif(not on_default_base(), reason="runs on the default base only "
                                  "(CI time); this base's TP/PP streaming: check_streaming.py")]
 
 PARALLEL = {"tp2": ["--tensor-parallel-size", "2", "--distributed-executor-backend", "mp"],

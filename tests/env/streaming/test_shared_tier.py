@@ -75,11 +75,10 @@ def reference(model, tmp_path_factory):
 
 
 def _default_base_only():
-    from kvstack.release.pins import default_base
+    from kvtest import on_default_base
 
-    base = os.environ.get("KVSTACK_BASE") or default_base()
     return pytest.mark.skipif(
-        base != default_base(),
+        not on_default_base(),
         reason="lmcache_server runs on the default base only (CI time); redis covers this base")
 
 
