@@ -116,7 +116,7 @@ def store_tag(in_place: bool, isa: str | None) -> str:
 def predict_store_tag(cfg, vllm_config, layout) -> str:
     """The host store's layout as the worker will choose it (worker_side.prepare), predicted from
     the configuration alone so the scheduler side keys its lookups the same way; the worker
-    refuses to start when its choice differs (`check_store_tag`)."""
+    refuses to start when its choice differs (worker_side.prepare)."""
     if not cfg.cpu_native_attention:
         return store_tag(False, None)
     try:
