@@ -42,8 +42,8 @@ Keys of ``kv_connector_extra_config`` (all optional):
   LMCache's staging buffer for objects in flight, default 0.5), ``blocking_timeout_secs``,
   ``extra_config``; ``local_cpu`` must stay false (the host tier is the RAM copy). At least one
   backend; anything else is refused at start-up, as are prefix reuse off, layers outside the host
-  tier that would need their device KV restored (``prefix_reuse`` impossible) and tensor
-  parallelism. A backend that is down or goes away costs a recompute and a warning.
+  tier that would need their device KV restored (``prefix_reuse`` impossible) and tensor or
+  pipeline parallelism. A backend that is down or goes away costs a recompute and a warning.
 """
 
 from __future__ import annotations
