@@ -37,13 +37,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -166,40 +163,6 @@ def _measure(args, llm, SamplingParams) -> None:
 # Driver
 # ------------------------------------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextmanager
-def _server(cmd: list[str], port: int, log: Path, env: dict):
-    with open(log, "w") as fh:
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited ({proc.returncode}): {log.read_text()[-2000:]}")
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"server not listening: {log.read_text()[-2000:]}")
-                time.sleep(0.2)
-        yield proc
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=10)
-        except ProcessLookupError:
-            pass
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
-
-
 def _why(text: str) -> str:
     """The line of an engine's output that says why it failed."""
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
@@ -213,6 +176,8 @@ def _why(text: str) -> str:
 
 
 def main() -> int:
+    from kvstack.testbed.backend_servers import free_port, running
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompt-tokens", type=int, default=4096, help="prompt length (default 4096)")
     ap.add_argument("--hidden", type=int, default=768, help="model hidden size (default 768: 343 MiB)")
@@ -284,20 +249,20 @@ def main() -> int:
                 "LMCACHE_REMOTE_SERDE": "naive"}
 
     def route_inproc():
-        port = _free_port()
+        port = free_port()
         server = [str(Path(sys.executable).with_name("lmcache_server")), "127.0.0.1", str(port)]
-        with _server(server, port, work / "lmcache_server.log", base_env):
+        with running(server, port, work / "lmcache_server.log", base_env, what="lmcache_server"):
             a = engine("lmc-a", lmc_env(port))
             b = engine("lmc-b", lmc_env(port))
         b["a_tokens"] = a["tokens"]
         return b
 
     def route_mp():
-        port = _free_port()
+        port = free_port()
         server = [sys.executable, "-m", "lmcache.v1.multiprocess.server", "--host", "127.0.0.1", "--port",
                   str(port), "--chunk-size", str(args.step), "--l1-size-gb", "2", "--eviction-policy", "LRU",
                   "--supported-transfer-mode", "auto", "--disable-observability"]
-        with _server(server, port, work / "mp_server.log", base_env):
+        with running(server, port, work / "mp_server.log", base_env, what="LMCache MP server"):
             a = engine("mp-a", port=port)
             b = engine("mp-b", port=port)
         b["a_tokens"] = a["tokens"]

@@ -3,6 +3,10 @@ venv's bin) and `redis-server` (Debian's package, installed with apt-get when mi
 as root, as in CI). Each is started in its own process group, so a test can kill it mid-run
 (``os.killpg(server.pid, SIGKILL)``) and always stop it (`stop`).
 
+`running(cmd, port, log, env)` starts any server command the same way (its output in `log`, whose
+tail is in the error when it does not come up) and stops it on exit: bench/hybrid_repeat.py and
+tests/env/lmcache/test_mp_route.py (LMCache's MP server) use it.
+
 Used by tests/env/lmcache/test_shared_backend.py and tests/env/streaming/test_shared_tier.py.
 """
 
@@ -15,6 +19,7 @@ import socket
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 BACKENDS = ("lmcache_server", "redis")
@@ -30,17 +35,43 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_port(port: int, proc: subprocess.Popen, what: str, timeout: float = 20.0) -> None:
+def wait_port(port: int, proc: subprocess.Popen, what: str, timeout: float = 20.0,
+              log: Path | None = None) -> None:
+    """Until `proc` listens on 127.0.0.1:`port`; a RuntimeError (with the tail of `log`) when it
+    exits first or does not listen within `timeout` s."""
+    tail = (lambda: ":\n" + log.read_text(errors="replace")[-4000:]) if log else (lambda: "")
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         if proc.poll() is not None:
-            raise RuntimeError(f"{what} exited with {proc.returncode} before listening")
+            raise RuntimeError(f"{what} exited with {proc.returncode} before listening{tail()}")
         try:
             socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
             return
         except OSError:
             time.sleep(0.1)
-    raise RuntimeError(f"{what} did not listen on 127.0.0.1:{port}")
+    raise RuntimeError(f"{what} did not listen on 127.0.0.1:{port}{tail()}")
+
+
+@contextmanager
+def running(cmd: list[str], port: int, log: Path, env: dict | None = None,
+            timeout: float = 120.0, what: str = "server"):
+    """Run server command `cmd` (output to `log`, its own process group) until it listens on
+    `port`; yield its process; on exit SIGTERM the group (SIGKILL after 10 s)."""
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+    try:
+        wait_port(port, proc, what, timeout, log)
+        yield proc
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=10)
+        except ProcessLookupError:
+            pass
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
 
 
 def redis_server() -> str:

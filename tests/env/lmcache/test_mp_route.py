@@ -35,12 +35,13 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
+
+from kvstack.testbed.backend_servers import free_port, running
 
 HERE = Path(__file__).resolve()
 REPO = HERE.parents[3]
@@ -204,12 +205,6 @@ def _watch_mamba_state_at_load(llm, noise: bool) -> dict:
 # Test helpers
 # --------------------------------------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _env() -> dict:
     return {**os.environ, "PYTHONHASHSEED": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
             "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1", "LMCACHE_DISABLE_BANNER": "1",
@@ -225,33 +220,11 @@ def mp_server_cmd(port: int, chunk: int) -> list[str]:
 @contextmanager
 def mp_server(tmp_path: Path, chunk: int):
     """An LMCache MP server on 127.0.0.1 (free port); stopped on exit, also on failure."""
-    port = _free_port()
+    port = free_port()
     log = tmp_path / f"mp-server-{port}.log"
-    with open(log, "w") as fh:
-        proc = subprocess.Popen(mp_server_cmd(port, chunk), stdout=fh, stderr=subprocess.STDOUT,
-                                env=_env(), start_new_session=True)
-    try:
-        deadline = time.monotonic() + 90
-        while True:
-            if proc.poll() is not None:
-                raise AssertionError(f"MP server exited ({proc.returncode}):\n{log.read_text()[-4000:]}")
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise AssertionError(f"MP server not listening:\n{log.read_text()[-4000:]}")
-                time.sleep(0.2)
+    with running(mp_server_cmd(port, chunk), port, log, _env(), timeout=90,
+                 what="MP server"):
         yield port, log
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=10)
-        except ProcessLookupError:
-            pass
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
 
 
 def run_engine(tmp_path: Path, model: str, model_dir: Path, prompts, *, mnbt: int, port: int = 0,
