@@ -44,6 +44,11 @@ Keys of ``kv_connector_extra_config`` (all optional):
   backend; anything else is refused at start-up, as are prefix reuse off, layers outside the host
   tier that would need their device KV restored (``prefix_reuse`` impossible) and tensor or
   pipeline parallelism. A backend that is down or goes away costs a recompute and a warning.
+
+Set by vLLM's MultiConnector (kvstack's joint-hits patch), never by a user: ``kv_joint_hits``
+(true when the connector runs next to others, e.g. ``LMCacheConnectorV1`` for the layers that do
+not stream: every connector then loads the same prefix, so prefix reuse no longer needs the other
+layers to need no device KV) and ``kv_paged_layers``.
 """
 
 from __future__ import annotations
@@ -70,6 +75,8 @@ class StreamingConfig:
     decode_reserve_tokens: int | None = 256  # None: "max" (prompt + max_tokens)
     # the shared tier: LMCache config (sorted items; `lmcache_config` gives the dict), or None
     lmcache: tuple[tuple[str, Any], ...] | None = None
+    # next to other connectors under MultiConnector's joint prefix hits (set by MultiConnector)
+    joint_hits: bool = False
 
     @property
     def lmcache_config(self) -> dict[str, Any] | None:
@@ -98,6 +105,7 @@ class StreamingConfig:
             decode_reserve_tokens=_reserve(extra.get("decode_reserve_tokens",
                                                      cls.decode_reserve_tokens)),
             lmcache=_lmcache(extra.get("lmcache")),
+            joint_hits=bool(extra.get("kv_joint_hits", False)),
         )
         for name in ("window_tokens", "device_window_tokens", "page_tokens"):
             if getattr(cfg, name) <= 0:

@@ -141,6 +141,10 @@ class StreamingConnector(KVConnectorBase_V1, SupportsHMA):
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int):
         return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
 
+    def get_hit_alignment(self) -> int:
+        """Hits end where a page and every local chunk end (MultiConnector's joint hits)."""
+        return self.layout.reuse_granule or self.cfg.page_tokens
+
     def update_state_after_alloc(self, request: "Request", blocks: Any,
                                  num_external_tokens: int):
         self._sched.update_state_after_alloc(request, num_external_tokens)

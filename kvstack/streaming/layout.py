@@ -185,9 +185,11 @@ def _layout(cfg: StreamingConfig, vllm_config: "VllmConfig",
     # (Llama-4), whose attention starts afresh at each chunk: a reused prefix then ends where
     # a page and every chunk end (the least common multiple; Llama-4-Scout's 8,192-token chunk
     # with 32-token pages: hits in steps of 8,192 tokens, at most 8,191 tokens recomputed).
+    # Next to other connectors (MultiConnector's joint prefix hits), a sibling restores the
+    # other layers' device KV of the same prefix.
     in_groups = sum(len(kv_cache_config.kv_cache_groups[gi].layer_names) for gi in groups)
-    reuse_ok = len(layers) == in_groups and all(
-        isinstance(o, ChunkedLocalAttentionSpec) for o in others)
+    reuse_ok = len(layers) == in_groups and (cfg.joint_hits or all(
+        isinstance(o, ChunkedLocalAttentionSpec) for o in others))
     reuse_granule = math.lcm(cfg.page_tokens, *(o.attention_chunk_size for o in others
                                                 if isinstance(o, ChunkedLocalAttentionSpec)))
     sched = vllm_config.scheduler_config

@@ -73,6 +73,7 @@ class _SchedulerSide:
         self.shared: SharedTier | None = None
         self._fetched: dict[str, tuple[int, list]] = {}  # rid -> (pool hit, fetched payloads)
         self._saved: dict[str, int] = {}  # rid -> leading prompt pages the shared tier holds
+        self._loaded: dict[str, int] = {}  # rid -> prefix tokens its pages hold, until scheduled
         self._loads: list[tuple[int, Any]] = []  # (page, payload) for the next step's worker
         if cfg.lmcache is not None:
             self.shared = open_for_engine(cfg, layout, vllm_config,
@@ -173,6 +174,7 @@ class _SchedulerSide:
         pool_hit, fetched = self._fetched.pop(rid, (hit, []))
         pool_hit = min(pool_hit, hit)
         self.pool.start(rid, hashes, pool_hit)
+        self._loaded[rid] = pool_hit * self.cfg.page_tokens
         self._reserved[rid] = self._admission_pages(request)
         self._prompt_len[rid] = request.num_prompt_tokens
         if self.shared is not None:
@@ -190,6 +192,7 @@ class _SchedulerSide:
                     self.pool.stats.prefix_hit_requests += 1
             # the pages before the hit's end came from a tier that has them: not stored again
             self._saved[rid] = pool_hit + max(shared, 0)
+            self._loaded[rid] += max(shared, 0) * self.cfg.page_tokens
 
     def build_meta(self, so: "SchedulerOutput") -> StreamingMetadata:
         meta = StreamingMetadata()
@@ -198,6 +201,7 @@ class _SchedulerSide:
         for nr in so.scheduled_new_reqs:
             self._blocks[nr.req_id] = {g: list(nr.block_ids[g]) for g in groups}
             steps.append((nr.req_id, nr.num_computed_tokens))
+            self._check_start(nr.req_id, nr.num_computed_tokens)
         cr = so.scheduled_cached_reqs
         for i, rid in enumerate(cr.req_ids):
             nb = cr.new_block_ids[i]
@@ -255,6 +259,22 @@ class _SchedulerSide:
         meta.loads, self._loads = self._loads, []
         return meta
 
+    def _check_start(self, rid: str, start: int) -> None:
+        """A new request must start within the prefix its pages hold. Past it (another
+        connector loaded a longer prefix, e.g. under a MultiConnector without joint hits), its
+        streaming layers would attend pages never written: the request fails instead."""
+        loaded = self._loaded.pop(rid, None)
+        if loaded is None or start <= loaded or rid in self._failed:
+            return
+        logger.error("kvstack streaming: request %s starts at token %d, its host tier holds "
+                     "%d", rid, start, loaded)
+        self._failed[rid] = (
+            f"kvstack StreamingConnector: this request starts after {start} prefix tokens "
+            f"loaded by another connector, but the host tier holds only its first {loaded}: "
+            "its streaming layers cannot attend the rest. Run the StreamingConnector alone, "
+            "or next to others under a MultiConnector with joint prefix hits (kvstack's "
+            "patched vLLM)")
+
     def _save_full_pages(self, meta: StreamingMetadata, rid: str, computed: int) -> None:
         """List for the worker the full prompt pages this step completes (stored once each, after
         the forward; pages that came from a tier are not written back)."""
@@ -291,6 +311,7 @@ class _SchedulerSide:
         self._failed.pop(rid, None)
         self._fetched.pop(rid, None)
         self._saved.pop(rid, None)
+        self._loaded.pop(rid, None)
 
     def stats(self) -> dict[str, Any]:
         s = self.pool.stats

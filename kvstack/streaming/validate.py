@@ -81,6 +81,16 @@ def engine_problems(vllm_config: "VllmConfig") -> list[str]:
         problems.append(f"host_tier_path with {ranks} ranks (tensor x pipeline parallel): every "
                         "rank would map the same file for its own host tier; drop host_tier_path "
                         "(each rank keeps its host tier in memory) or run one rank")
+    if extra.get("kv_joint_hits"):
+        # next to other connectors under MultiConnector (joint prefix hits)
+        if ranks > 1:
+            problems.append(f"next to other connectors (MultiConnector) with {ranks} ranks "
+                            "(tensor x pipeline parallel): not supported yet; run one rank, or "
+                            "the StreamingConnector alone")
+        if extra.get("lmcache"):
+            problems.append("the shared tier ('lmcache' key) next to other connectors "
+                            "(MultiConnector): with LMCacheConnectorV1 beside it, two LMCache "
+                            "engines would share one process; drop one of them")
     if vllm_config.speculative_config is not None:
         problems.append("speculative decoding is not supported with streaming layers "
                         "(drop --speculative-config)")

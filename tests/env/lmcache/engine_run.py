@@ -3,6 +3,7 @@
     python engine_run.py --model qwen3next --model-dir DIR [--lmcache] [--wipe] --prompts P.json
                          [--max-tokens N] [--max-num-batched-tokens N] [--max-model-len N] [--align]
                          [--zero-restored-state] [--kill-pgid PGID [--kill-before N]]
+                         [--with-streaming REGEX [--page-tokens N] [--zero-restored-kv-from N]]
 
 Used by the tests (one engine per process, as a user would run it; tests/env/server takes its
 offline reference tokens from it). LMCache's backend is chosen
@@ -13,6 +14,10 @@ reported for each request (a prefix length), restored the hybrid states restored
 not computed (vLLM's num_cached_tokens: its own prefix cache and LMCache's hits), local the tokens vLLM's
 own prefix cache held when LMCache was asked, block_size vLLM's (align mode sizes it) and indexed the
 chunk files the local disk backend indexed at start-up (null: no disk scan).
+
+--with-streaming: kvstack's StreamingConnector streams the layers REGEX matches and LMCacheConnectorV1
+keeps the others, both under vLLM's MultiConnector (joint prefix hits); the JSON then also has "groups"
+(each KV cache group's spec and layers) and "streaming" (the StreamingConnector's stats()).
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
 
 from kvstack.testbed.tiny_models import apply_engine_env, llm_kwargs  # noqa: E402
 
@@ -67,6 +74,11 @@ def main(argv=None) -> int:
                     help="SIGKILL this process group (a backend server) mid-run, before prompt "
                          "--kill-before")
     ap.add_argument("--kill-before", type=int, default=1)
+    ap.add_argument("--with-streaming", default=None, metavar="REGEX",
+                    help="MultiConnector: StreamingConnector for these layers + LMCacheConnectorV1")
+    ap.add_argument("--page-tokens", type=int, default=32, help="the StreamingConnector's page")
+    ap.add_argument("--zero-restored-kv-from", type=int, default=None, metavar="N",
+                    help="negative control: from prompt N on, zero the K/V LMCache restores")
     args = ap.parse_args(argv)
 
     apply_engine_env()
@@ -100,6 +112,20 @@ def main(argv=None) -> int:
 
         adapter.scatter_states = scatter_zeros
 
+    zero_kv = [False]
+    if args.zero_restored_kv_from is not None:
+        from lmcache.v1 import cache_engine
+
+        retrieve = cache_engine.LMCacheEngine.retrieve
+
+        def retrieve_zeros(self, tokens, mask=None, **kwargs):
+            ret = retrieve(self, tokens, mask, **kwargs)
+            if zero_kv[0] and ret is not None:
+                _zero_blocks(kwargs["kvcaches"], kwargs["slot_mapping"][ret.to(torch.bool)], block_size)
+            return ret
+
+        cache_engine.LMCacheEngine.retrieve = retrieve_zeros
+
     kw = llm_kwargs(args.model, args.model_dir, enable_prefix_caching=args.align,
                     max_num_batched_tokens=args.max_num_batched_tokens)
     if args.align:
@@ -108,9 +134,20 @@ def main(argv=None) -> int:
         kw["max_model_len"] = args.max_model_len
     if args.dtype:
         kw["dtype"] = args.dtype
-    if args.lmcache:
+    if args.with_streaming:
+        streaming = {"kv_connector": "StreamingConnector", "kv_role": "kv_both",
+                     "kv_connector_module_path": "kvstack.streaming",
+                     "kv_connector_extra_config": {"streaming_layers": [args.with_streaming],
+                                                   "page_tokens": args.page_tokens,
+                                                   "host_tier_gib": 0.05}}
+        kw["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="MultiConnector", kv_role="kv_both",
+            kv_connector_extra_config={"connectors": [
+                streaming, {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}]})
+    elif args.lmcache:
         kw["kv_transfer_config"] = KVTransferConfig(kv_connector="LMCacheConnectorV1", kv_role="kv_both")
     llm = LLM(**kw)
+    block_size = llm.llm_engine.vllm_config.cache_config.block_size
     # LMCache creates its loggers on import; tap them too.
     for name in list(logging.root.manager.loggerDict):
         if name.startswith("lmcache"):
@@ -120,6 +157,7 @@ def main(argv=None) -> int:
     sp = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     tokens, hits, restored, cached, local = [], [], [], [], []
     for n, p in enumerate(prompts):
+        zero_kv[0] = args.zero_restored_kv_from is not None and n >= args.zero_restored_kv_from
         if args.kill_pgid is not None and n == args.kill_before:
             os.killpg(args.kill_pgid, signal.SIGKILL)
             time.sleep(0.5)
@@ -141,15 +179,34 @@ def main(argv=None) -> int:
              for m in [re.search(r"Inference Engine computed tokens: (\d+)", line)] if m]
         local.append(c[-1] if c else 0)
     warnings = [line for line in tap.lines if line.startswith(("WARNING", "ERROR"))]
+    extra = {}
+    if args.with_streaming:
+        core = llm.llm_engine.engine_core.engine_core
+        extra["groups"] = [[type(g.kv_cache_spec).__name__, list(g.layer_names)]
+                           for g in core.scheduler.kv_cache_config.kv_cache_groups]
+        extra["streaming"] = [c.stats() for c in core.scheduler.connector._connectors
+                              if hasattr(c, "stats")][0]
     indexed = [int(m.group(1)) for line in tap.lines for m in [re.search(r"Indexed (\d+) chunk", line)] if m]
     print(json.dumps({"tokens": tokens, "hits": hits, "restored": restored, "cached": cached, "local": local,
                       "block_size": llm.llm_engine.vllm_config.cache_config.block_size,
                       "warnings": warnings,
-                      "indexed": indexed[-1] if indexed else None}))
+                      "indexed": indexed[-1] if indexed else None, **extra}))
     sys.stdout.flush()
-    if args.lmcache:
+    if args.lmcache or args.with_streaming:
         time.sleep(float(os.environ.get("KVSTACK_LMCACHE_FLUSH_S", "3")))  # async disk/remote puts
     os._exit(0)  # skip slow engine/LMCache teardown
+
+
+def _zero_blocks(kv_caches, slots, block_size: int) -> None:
+    """Zero the K and V of the blocks `slots` fall in, in each of vLLM's CPU KV caches ([2, blocks,
+    ...] or [blocks, ...]); the prefixes LMCache restores here are whole blocks."""
+    blocks = torch.unique(slots // block_size)
+    for kv in kv_caches:
+        t = kv if isinstance(kv, torch.Tensor) else kv[0]
+        if t.shape[0] == 2:
+            t[:, blocks] = 0
+        else:
+            t[blocks] = 0
 
 
 if __name__ == "__main__":
