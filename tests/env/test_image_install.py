@@ -1,6 +1,7 @@
 """The cpu image's install step, run here exactly as the Dockerfile runs it, into a fresh venv prefix, for
-the base the tests run on ($KVSTACK_BASE, else bases/default; `make test` runs it once per base, so every
-base's image is exercised here, while tests/env/test_image_build.py builds the default base's for real).
+the base the tests run on ($KVSTACK_BASE, else bases/default). `make test` runs it on the bases other than
+the default one (CI time): tests/env/test_image_build.py runs the same install step for the default base
+in the real image, and the SBOM and metadata files come from the same scripts/install_image.sh.
 
 The deps and final stages' RUN commands are read from the Dockerfile and executed with bash, their variables
 set the way the image sets them (KVSTACK_BASE = that base, TARGET=cpu, KVSTACK_SRC = a copy of the build

@@ -135,15 +135,8 @@ def main(argv=None) -> int:
     if args.dtype:
         kw["dtype"] = args.dtype
     if args.with_streaming:
-        streaming = {"kv_connector": "StreamingConnector", "kv_role": "kv_both",
-                     "kv_connector_module_path": "kvstack.streaming",
-                     "kv_connector_extra_config": {"streaming_layers": [args.with_streaming],
-                                                   "page_tokens": args.page_tokens,
-                                                   "host_tier_gib": 0.05}}
         kw["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="MultiConnector", kv_role="kv_both",
-            kv_connector_extra_config={"connectors": [
-                streaming, {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}]})
+            **with_streaming_config(args.with_streaming, args.page_tokens))
     elif args.lmcache:
         kw["kv_transfer_config"] = KVTransferConfig(kv_connector="LMCacheConnectorV1", kv_role="kv_both")
     llm = LLM(**kw)
@@ -195,6 +188,17 @@ def main(argv=None) -> int:
     if args.lmcache or args.with_streaming:
         time.sleep(float(os.environ.get("KVSTACK_LMCACHE_FLUSH_S", "3")))  # async disk/remote puts
     os._exit(0)  # skip slow engine/LMCache teardown
+
+
+def with_streaming_config(streaming_layers: str, page_tokens: int) -> dict:
+    """--with-streaming's kv_transfer_config (the README shows it for layers\\.1\\. and page 32)."""
+    streaming = {"kv_connector": "StreamingConnector", "kv_role": "kv_both",
+                 "kv_connector_module_path": "kvstack.streaming",
+                 "kv_connector_extra_config": {"streaming_layers": [streaming_layers],
+                                               "page_tokens": page_tokens, "host_tier_gib": 0.05}}
+    return {"kv_connector": "MultiConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {"connectors": [
+                streaming, {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}]}}
 
 
 def _zero_blocks(kv_caches, slots, block_size: int) -> None:
