@@ -206,11 +206,11 @@ def _zero_blocks(kv_caches, slots, block_size: int) -> None:
     ...] or [blocks, ...]); the prefixes LMCache restores here are whole blocks."""
     blocks = torch.unique(slots // block_size)
     for kv in kv_caches:
-        t = kv if isinstance(kv, torch.Tensor) else kv[0]
-        if t.shape[0] == 2:
-            t[:, blocks] = 0
-        else:
-            t[blocks] = 0
+        for t in ([kv] if isinstance(kv, torch.Tensor) else kv):
+            if t.shape[0] == 2:
+                t[:, blocks] = 0
+            else:
+                t[blocks] = 0
 
 
 if __name__ == "__main__":
