@@ -186,3 +186,21 @@ class StreamingConnector(KVConnectorBase_V1, SupportsHMA):
     def build_prom_metrics(cls, vllm_config: "VllmConfig", metric_types: dict, labelnames: list[str],
                            per_engine_labelvalues: dict[int, list[object]]) -> StreamingPromMetrics:
         return StreamingPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+
+def _register_by_name() -> None:
+    """vLLM's MultiConnector rebuilds its children's stats by their registered names
+    (KVConnectorFactory.get_connector_class_by_name), which knows only vLLM's own connectors, not
+    one loaded through kv_connector_module_path. Without this, `vllm serve` with this connector
+    under a MultiConnector lost its output handler at the first stats update (vLLM 0.32.0 and
+    0.25.1: "Connector 'StreamingConnector' is not registered", every request then HTTP 500).
+    Upstream: vllm#57683 (open) would skip unregistered children's stats instead."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    try:
+        KVConnectorFactory.register_connector("StreamingConnector", __name__, "StreamingConnector")
+    except ValueError:  # already registered (this module imported again, or by vLLM itself)
+        pass
+
+
+_register_by_name()

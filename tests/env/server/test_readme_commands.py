@@ -15,6 +15,7 @@ import pytest
 import test_lmcache_server as lm
 import test_streaming_parallel_server as par
 import test_streaming_server as st
+import test_streaming_lmcache_server as with_lmcache
 import test_streaming_shared_tier_server as shared
 from vllm_server import BASE_ENV, ROOT
 
@@ -58,7 +59,8 @@ def test_streaming_section_shows_the_tested_server_and_bench():
     assert serve == [([".venv/bin/vllm", "serve", *st.SERVE], {**BASE_ENV, **st.ENV})] + [
         ([".venv/bin/vllm", "serve", *args], {**BASE_ENV, **par.ENV})
         for args in par.SERVE.values()] + [
-        ([".venv/bin/vllm", "serve", *shared.SERVE], {**BASE_ENV, **st.ENV})]
+        ([".venv/bin/vllm", "serve", *shared.SERVE], {**BASE_ENV, **st.ENV}),
+        ([".venv/bin/vllm", "serve", *with_lmcache.SERVE], {**BASE_ENV, **with_lmcache.ENV})]
     assert [a for a, _ in bench] == [[".venv/bin/vllm", "bench", "serve", *st.BENCH]]
     assert [a for a, _ in cmds if a[0].endswith("lmcache_server")] == [
         [".venv/bin/lmcache_server", *shared.LMCACHE_SERVER]]

@@ -75,18 +75,6 @@ def test_a_shorter_page_granule_cuts_lmcache_s_load(llama, native, tmp_path):
     assert out["tokens"] == native
 
 
-def test_the_readme_shows_this_configuration():
-    import json
-    import re
-
-    from engine_run import with_streaming_config
-
-    text = (HERE.parents[2] / "README.md").read_text()
-    part = text[text.index("**Streaming and LMCache in one engine**"):]
-    shown = json.loads(re.search(r"```\n(\{.*?\})\n```", part, re.S).group(1))
-    assert shown == with_streaming_config(STREAM_LAYER_1, 32)
-
-
 # ---- without an engine -------------------------------------------------------------------------
 
 def _groups(*specs):
