@@ -36,6 +36,7 @@ import random
 import statistics
 import sys
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -164,6 +165,33 @@ def _cuda_err(r) -> int:
 PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
+def _clear_cuda_error() -> None:
+    """A failed cudaHostRegister/Unregister leaves its code as the CUDA runtime's last error, which
+    torch then raises at an unrelated later call (seen on an H200: "part or all of the requested
+    memory range is already mapped" at a ``torch.empty``). torch's ``cudart()`` binding has no
+    cudaGetLastError, so read it off through the libcudart torch has loaded."""
+    try:
+        import ctypes
+        with open("/proc/self/maps") as f:
+            paths = {ln.split()[-1] for ln in f if "libcudart.so" in ln}
+        for path in paths:
+            ctypes.CDLL(path).cudaGetLastError()
+    except Exception:  # noqa: BLE001 - best effort; torch reports whatever is left
+        pass
+
+
+def _unregister(ptrs: list[int]) -> None:
+    """Unregister pinned ranges before their memory goes back to the allocator: a range left
+    registered is refused when the same addresses are registered again (AlreadyRegistered)."""
+    for ptr in ptrs:
+        try:
+            if _cuda_err(torch.cuda.cudart().cudaHostUnregister(ptr)) != 0:
+                _clear_cuda_error()
+        except Exception:  # noqa: BLE001
+            _clear_cuda_error()
+    ptrs.clear()
+
+
 def _page_aligned_empty(shape, dtype) -> torch.Tensor:
     """A tensor that starts on an OS page and owns every page it touches (its storage has a page
     of slack on each side), so registering it never overlaps another registration."""
@@ -186,6 +214,10 @@ class HostTier:
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
         self.pin_method = "none"
+        self.pin_error = ""
+        self._registered: list[int] = []
+        # unregistered when the tier is collected, before its pools are freed
+        weakref.finalize(self, _unregister, self._registered)
         t0 = time.perf_counter()
         gen = torch.Generator().manual_seed(fill_seed if fill_seed is not None else 0)
         pattern = torch.randn((64, geo.page, geo.hkv, geo.d), generator=gen).to(geo.dtype)
@@ -212,12 +244,20 @@ class HostTier:
     def _pin(self, t: torch.Tensor) -> torch.Tensor:
         try:
             size = -(-t.numel() * t.element_size() // PAGE_BYTES) * PAGE_BYTES  # whole OS pages
-            r = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), size, 0)
-            if _cuda_err(r) == 0 and t.is_pinned():
-                self.pin_method = "cudaHostRegister"
-                return t
-        except Exception:  # noqa: BLE001 - fall back to torch's pinned allocator
-            pass
+            r = _cuda_err(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), size, 0))
+            if r == 0:
+                self._registered.append(t.data_ptr())
+                if t.is_pinned():
+                    self.pin_method = "cudaHostRegister"
+                    return t
+                self.pin_error = "registered but not seen as pinned"
+                _unregister([self._registered.pop()])
+            else:
+                self.pin_error = f"cudaHostRegister error {r}"
+                _clear_cuda_error()
+        except Exception as e:  # noqa: BLE001 - fall back to torch's pinned allocator
+            self.pin_error = f"cudaHostRegister: {e}"
+            _clear_cuda_error()
         p = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
         p.copy_(t)
         self.pin_method = "pin_memory=True"
@@ -906,7 +946,8 @@ def main(argv=None) -> int:
         log(f"host tier: {pool_pages} pages x {geo.layers} layers = "
             f"{pool_pages * geo.page * geo.token_bytes / GIB:.2f} GiB")
         tier = HostTier(geo, pool_pages, pin=device.type == "cuda", fill_seed=None)
-        log(f"host tier ready (pinned: {tier.pin_method})")
+        log(f"host tier ready (pinned: {tier.pin_method}"
+            f"{'; ' + tier.pin_error if tier.pin_error else ''})")
         result["pin"] = tier.pin_method
     first = True
     for lab, n in sizes:
