@@ -66,3 +66,18 @@ def pristine_tree(tmp_path_factory):
             trees[component] = dest
         return trees[component]
     return get
+
+
+def _host_line() -> str:
+    from kvstack.testbed.precision import describe_host
+
+    return f"kvstack host: {describe_host()}; base {os.environ.get(BASE_ENV, '(default)')}"
+
+
+def pytest_report_header(config):
+    """Which machine the suite ran on (AMX or not decides the CPU engine's exactness dtype)."""
+    return _host_line()
+
+
+def pytest_terminal_summary(terminalreporter):
+    terminalreporter.write_line(_host_line())  # also under -q, where the header is not shown

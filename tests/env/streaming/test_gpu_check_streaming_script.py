@@ -4,7 +4,10 @@ a device budget smaller than the prompts give the same greedy tokens and top-5 l
 0.05 nats) for a mixed batch, a prefix reuse and a long prompt attended in several windows, and
 the negative control (one history token of the long prompt changed) changes the output; the
 streaming side at TP 2 and at PP 2 (vLLM's multiprocess executor, one bound core per rank) against
-the same TP 1 native run too. The judgement and the model surgery are pinned without an engine."""
+the native side at the same TP 2 / PP 2 (the same engine shape: in bf16, native TP 2 differs from
+native TP 1 by up to 0.09 nats, which is tensor parallelism, not streaming). Both dtype paths on
+every machine: the main test runs `--dtype auto` (bf16; fp16 on an AMX CPU), a smaller run the
+other one. The judgement and the model surgery are pinned without an engine."""
 
 from __future__ import annotations
 
@@ -34,13 +37,18 @@ def _module():
 def test_streaming_equals_native_on_the_cpu_engine(tmp_path):
     # TP 2 too: the streaming side again with vLLM's multiprocess executor, two worker processes of
     # one bound OpenMP thread each (2 cores), each rank streaming its own KV heads; compared with
-    # the same TP 1 native run, the control token included
+    # native at TP 2, the control token included
     res = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--long-tokens", "4096",
                           "--tensor-parallel-size", "2", "--work", str(tmp_path)],
                          capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     lines = res.stdout.strip().splitlines()
     assert lines[-1].startswith("RESULT 10/10 identical; control changed"), res.stdout
+    assert "streaming TP 2 vs native TP 2" in lines[-1], lines[-1]
+    assert f", {_auto_dtype()}, " in lines[-1], lines[-1]  # the dtype in use, in the summary
+    assert res.stdout.startswith("host "), res.stdout  # the CPU (AMX or not) in the log
+    native_tp2 = json.loads((tmp_path / "native-tp2.json").read_text())
+    assert native_tp2["info"]["tensor_parallel_size"] == 2 and native_tp2["info"]["connector"] is None
     tp2 = json.loads((tmp_path / "streaming-tp2.json").read_text())
     assert tp2["info"]["tensor_parallel_size"] == 2 and tp2["info"]["connector"] == "StreamingConnector"
     assert tp2["info"]["device_blocks"] == 48
@@ -63,21 +71,50 @@ def test_streaming_equals_native_on_the_cpu_engine(tmp_path):
 
     # PP 2: the streaming side once more, two pipeline stages in their own worker processes (one
     # bound OpenMP thread each), each stage streaming its own layers (the NoPE layer is in the
-    # second stage), against the same TP 1 native run and control token. --reuse keeps the
-    # single-rank streaming and native results of the run above (same plans): only the PP side runs
+    # second stage), against native at PP 2, with the same control token. --reuse keeps the
+    # single-rank streaming and native results of the run above (same plans): only the PP sides run
     res = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--long-tokens", "4096",
                           "--pipeline-parallel-size", "2", "--reuse", "--work", str(tmp_path)],
                          capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     lines = res.stdout.strip().splitlines()
     assert lines[-1].startswith("RESULT 10/10 identical; control changed"), res.stdout
+    assert "streaming PP 2 vs native PP 2" in lines[-1], lines[-1]
     assert res.stdout.count("(reused from an earlier run)") == 2, res.stdout
+    native_pp2 = json.loads((tmp_path / "native-pp2.json").read_text())
+    assert native_pp2["info"]["pipeline_parallel_size"] == 2 and native_pp2["info"]["connector"] is None
     pp2 = json.loads((tmp_path / "streaming-pp2.json").read_text())
     assert pp2["info"]["pipeline_parallel_size"] == 2 and pp2["info"]["tensor_parallel_size"] == 1
     assert pp2["info"]["connector"] == "StreamingConnector"
     assert pp2["info"]["device_blocks"] == 48 and pp2["plan"]["batched_tokens"] == 128
     assert pp2["results"]["prefix-b"]["prefix_hit_tokens"] > 0
     assert "control (PP 2) streaming output changed" in res.stdout
+
+
+def _auto_dtype() -> str:
+    from kvstack.testbed.tiny_models import cpu_exactness_dtype
+
+    return cpu_exactness_dtype() or "bfloat16"
+
+
+@pytest.mark.env
+@needs_hooks
+def test_the_other_dtype_path(tmp_path):
+    # the dtype the main test does not run here (fp16 where it ran bf16, bf16 on an AMX CPU, i.e.
+    # vLLM's AMX kernel), at a smaller size: both precision paths are compared on any machine,
+    # each against its own tolerance (kvstack.testbed.precision.LOGPROB_TOL), control included
+    from kvstack.testbed.precision import logprob_tol
+
+    other = "bfloat16" if _auto_dtype() == "float16" else "float16"
+    res = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--long-tokens", "2048",
+                          "--mixed", "700,45", "--prefix-tokens", "320", "--dtype", other,
+                          "--work", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    last = res.stdout.strip().splitlines()[-1]
+    assert last.startswith("RESULT 5/5 identical; control changed"), res.stdout
+    assert f", {other}, " in last and f"tol {logprob_tol(other)}," in last, last
+    info = json.loads((tmp_path / "streaming.json").read_text())["info"]
+    assert info["streaming_calls"]["max_windows"] >= 8
 
 
 def test_bad_usage_exits_2_before_any_engine(tmp_path):
@@ -105,6 +142,19 @@ def test_compare_judges_tokens_and_logprobs():
     same, _, note = compare(out([5, 6, 7], [-1.0, -2.0, -1.5]),
                             out([5, 8, 7], [-1.0, -2.0, -1.5]), 0.05)
     assert not same and "tokens differ from step 1" in note and "top-2 margin there 1.0000" in note
+    # a differing token where the reference's top-2 margin is within the tolerance is a tie when
+    # ties are asked for (counted, not failed), never when the margin is larger
+    def tied(tokens, margin):
+        return [{"tokens": tokens, "logprobs": [[[t, -1.0], [999, -1.0 - margin]] for t in tokens]}]
+
+    ties = []
+    same, _, note = compare(tied([5, 6, 7], 0.03), tied([5, 8, 7], 0.03), 0.05, ties)
+    assert same and ties == [(0, 1, pytest.approx(0.03))] and "a tie at step 1" in note
+    ties = []
+    same, _, note = compare(tied([5, 6, 7], 0.3), tied([5, 8, 7], 0.3), 0.05, ties)
+    assert not same and ties == [] and "tokens differ from step 1" in note
+    same, _, _ = compare(tied([5, 6, 7], 0.03), tied([5, 8, 7], 0.03), 0.05)  # no ties asked: fails
+    assert not same
     # logprobs after the first differing token are not compared (different contexts)
     same, worst, _ = compare(out([5, 8, 7], [-1.0, -2.0, -1.5]),
                              out([5, 9, 7], [-1.0, -2.0, -9.0]), 0.05)
