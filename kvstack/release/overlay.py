@@ -45,12 +45,16 @@ def touched_files(patch: Path) -> list[str]:
 
 
 def issue_patches(series_dir: Path, issue: str) -> list[Path]:
-    """The patches of `series_dir/series` whose header says `Kvstack-Issue: <issue>`, in order."""
+    """The patches of `series_dir/series` whose header names `issue` in its `Kvstack-Issue:`
+    trailer (one number, or several separated by commas), in order."""
     out = []
     for patch in series_patches(series_dir):
         head = patch.read_text().split("\n---\n", 1)[0]
-        if any(ln.strip() == f"Kvstack-Issue: {issue}" for ln in head.splitlines()):
-            out.append(patch)
+        for ln in head.splitlines():
+            if ln.startswith("Kvstack-Issue:") and str(issue) in {
+                    n.strip() for n in ln.split(":", 1)[1].split(",")}:
+                out.append(patch)
+                break
     return out
 
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-MODEL_NAMES = ("llama", "llama4", "qwen3next")
+MODEL_NAMES = ("llama", "llama4", "qwen3next", "gemma2")
 DEFAULT_OUT = Path("build") / "tiny-models"
 SEED = 1234
 VOCAB_SIZE = 1024
@@ -172,6 +172,26 @@ MODELS: dict[str, TinyModel] = {
         # The CPU gated delta-net kernels need bf16 activations and a float32 recurrent state.
         engine=dict(dtype="bfloat16", mamba_ssm_cache_dtype="float32"),
         summary="Qwen3-Next hybrid, 4 layers: 3 gated delta-net (linear attention) + 1 full attention",
+    ),
+    "gemma2": TinyModel(
+        name="gemma2",
+        architecture="Gemma2ForCausalLM",
+        config_class="Gemma2Config",
+        config=dict(
+            _COMMON,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            tie_word_embeddings=True,  # vLLM's Gemma-2 has no separate lm_head
+            query_pre_attn_scalar=32,
+            sliding_window=64,
+            layer_types=["sliding_attention", "full_attention"] * 2,
+        ),
+        engine=dict(block_size=32, dtype="bfloat16"),
+        summary="Gemma-2, 4 layers: sliding window 64 and full attention alternating, soft-capped",
     ),
 }
 

@@ -24,6 +24,7 @@ EXPECTED_LAYER_SPECS = {
     "llama": ["FullAttentionSpec"] * 2,
     "llama4": ["ChunkedLocalAttentionSpec"] * 3 + ["FullAttentionSpec"],
     "qwen3next": ["MambaSpec"] * 3 + ["FullAttentionSpec"],
+    "gemma2": ["SlidingWindowSpec", "FullAttentionSpec"] * 2,
 }
 
 

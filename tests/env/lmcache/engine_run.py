@@ -6,10 +6,12 @@
                          [--with-streaming REGEX [--page-tokens N] [--zero-restored-kv-from N]]
 
 Used by the tests (one engine per process, as a user would run it; tests/env/server takes its
-offline reference tokens from it). LMCache's backend is chosen
+offline reference tokens from it). With $KVSTACK_OVERLAY set (kvstack.release.overlay) it runs stock
+vLLM: the installed one with kvstack's vLLM series taken out. LMCache's backend is chosen
 with the usual LMCACHE_* environment variables. The last stdout line is JSON:
 {"tokens": [[...], ...], "hits": [N, ...], "restored": [N, ...], "cached": [N, ...], "local": [N, ...],
-"block_size": N, "warnings": [...], "indexed": N|null} where hits are the external hit tokens LMCache
+"block_size": N, "groups": [spec class name, ...], "hma_off": bool, "lmcache_supports_hma": bool,
+"hma_fallback_reason": str|null, "warnings": [...], "indexed": N|null} where hits are the external hit tokens LMCache
 reported for each request (a prefix length), restored the hybrid states restored, cached the prompt tokens
 not computed (vLLM's num_cached_tokens: its own prefix cache and LMCache's hits), local the tokens vLLM's
 own prefix cache held when LMCache was asked, block_size vLLM's (align mode sizes it) and indexed the
@@ -81,6 +83,9 @@ def main(argv=None) -> int:
                     help="negative control: from prompt N on, zero the K/V LMCache restores")
     args = ap.parse_args(argv)
 
+    from kvstack.release import overlay
+
+    overlay.install()  # $KVSTACK_OVERLAY: stock vLLM (the series taken out); before vLLM is imported
     apply_engine_env()
     os.environ.setdefault("LMCACHE_DISABLE_BANNER", "1")
     tap = _Tap()
@@ -101,6 +106,7 @@ def main(argv=None) -> int:
 
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
+
 
     if args.zero_restored_state:
         import lmcache.integration.vllm.vllm_v1_adapter as adapter
@@ -172,9 +178,19 @@ def main(argv=None) -> int:
              for m in [re.search(r"Inference Engine computed tokens: (\d+)", line)] if m]
         local.append(c[-1] if c else 0)
     warnings = [line for line in tap.lines if line.startswith(("WARNING", "ERROR"))]
-    extra = {}
+    core = llm.llm_engine.engine_core.engine_core
+    vcfg = llm.llm_engine.vllm_config
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
+    from vllm.distributed.kv_transfer.kv_connector.v1.lmcache_connector import LMCacheConnectorV1
+
+    fallback = getattr(LMCacheConnectorV1, "hma_fallback_reason", None)
+    extra = {"groups": [type(g.kv_cache_spec).__name__
+                        for g in core.scheduler.kv_cache_config.kv_cache_groups],
+             "hma_off": bool(vcfg.scheduler_config.disable_hybrid_kv_cache_manager),
+             # which LMCacheConnectorV1 ran: stock's has neither (an overlay took the series out)
+             "lmcache_supports_hma": issubclass(LMCacheConnectorV1, SupportsHMA),
+             "hma_fallback_reason": fallback(vcfg.model_config) if fallback else None}
     if args.with_streaming:
-        core = llm.llm_engine.engine_core.engine_core
         extra["groups"] = [[type(g.kv_cache_spec).__name__, list(g.layer_names)]
                            for g in core.scheduler.kv_cache_config.kv_cache_groups]
         extra["streaming"] = [c.stats() for c in core.scheduler.connector._connectors
