@@ -52,6 +52,8 @@ def run_engine(model_dir, name, prompts, tmp_path, *, lmcache=False, wipe=False,
                 "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1",
                 "LMCACHE_CHUNK_SIZE": str(CHUNK), "LMCACHE_DISABLE_BANNER": "1", **(env or {})}
     full_env.pop("LMCACHE_HYBRID_STATE_DIR", None)
+    for key in [k for k, v in full_env.items() if v is None]:  # env={"X": None}: X unset
+        del full_env[key]
     res = subprocess.run(cmd, capture_output=True, text=True, env=full_env, timeout=600)
     lines = [ln for ln in res.stdout.splitlines() if ln.startswith("{")]
     if res.returncode != 0 or not lines:
