@@ -55,6 +55,9 @@ COUNTERS: dict[str, tuple[str, str]] = {
                               "decoding past their reservation)."),
     "evicted_pages": ("vllm:kvstack_host_tier_evicted_pages",
                       "kvstack StreamingConnector: cached pages evicted to make room."),
+    "waited_for_space": ("vllm:kvstack_host_tier_waits",
+                         "kvstack StreamingConnector: scheduling attempts a request waited "
+                         "because the host tier had no room for it (on_host_tier_full='wait')."),
 }
 
 

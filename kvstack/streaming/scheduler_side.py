@@ -98,7 +98,10 @@ class _SchedulerSide:
         need = self._admission_pages(request)
         hit_pages = 0
         shared_pages = 0
-        if self.prefix_reuse and num_computed_tokens == 0:
+        # vLLM drops any hit of a request that must not read the prefix cache (prompt_logprobs,
+        # some pooling) after this answer: admit it as the request it will be, with no hit
+        skip_reading = bool(getattr(request, "skip_reading_prefix_cache", False))
+        if self.prefix_reuse and num_computed_tokens == 0 and not skip_reading:
             limit = (request.num_prompt_tokens - 1) // self.cfg.page_tokens
             hit_pages = self.pool.match_prefix(self._hashes_of(request))
             hit_pages = min(hit_pages, limit)
@@ -216,36 +219,29 @@ class _SchedulerSide:
         for rid, start in steps:
             n = so.num_scheduled_tokens[rid]
             if not self._grow(rid, start + n):
-                # Decoding past its reservation with no free page: this step's tokens are
-                # still computed right; the K/V that have no page go to sink pages (distinct
-                # within the step), and the scheduler fails the request after this step
-                # (take_failed), keeping its output so far.
+                # Decoding past its reservation with no free page
                 reserved = self._reserved.get(rid, 0) * self.cfg.page_tokens
-                self.pool.ensure(rid, min(start + n, reserved))
-                k = self.pool.pages_for(start + n) - len(self.pool.pages(rid))
-                first_sink = self.layout.num_pages + sinks
-                sink = list(range(first_sink, first_sink + k))
-                sinks += k
-                if rid not in self._failed:
-                    self.pool.stats.failed_host_tier_full += 1
-                self._failed[rid] = (
+                sinks += self._sink_step(meta, rid, start, n, sinks, (
                     f"kvstack StreamingConnector: host tier full while decoding: this request "
                     f"reached {start + n} tokens, past the {reserved} it reserved (prompt + "
                     f"{self._reserve_what()}), and no page is free; its output so far is kept. "
                     f"Raise host_tier_gib, or set decode_reserve_tokens to 'max' to reserve "
-                    f"prompt + max_tokens at admission")
-                anchors = self._anchors(rid, start)
-                first = anchors.pop(self.layout.group)
-                meta.reqs.append(self._step(rid, start, n, first, anchors, sink))
+                    f"prompt + max_tokens at admission"))
                 continue
             try:
                 self.pool.ensure(rid, start + n)
-            except HostTierFull:
-                # Cannot happen: admission keeps num_available() >= every live request's
-                # reserved pages not yet allocated (tests/env/streaming/test_scheduler_side.py
-                # checks it over random schedules). Kept as a clear error.
-                logger.error("kvstack streaming: host tier full for request %s", rid)
-                raise
+            except HostTierFull as e:
+                # Admission keeps num_available() >= every live request's reserved pages not yet
+                # allocated (tests/env/streaming/test_scheduler_side.py checks it over random
+                # schedules), unless vLLM changed a request's hit after the connector answered
+                # (a path admission does not know). Never an engine death: this request alone
+                # fails after the step.
+                logger.error("kvstack streaming: host tier full for request %s: %s", rid, e)
+                sinks += self._sink_step(meta, rid, start, n, sinks, (
+                    f"kvstack StreamingConnector: host tier full: this request needs "
+                    f"{start + n} tokens of host tier and no page is free ({e}); retry later, "
+                    f"or raise host_tier_gib"))
+                continue
             anchors = self._anchors(rid, start)
             first = anchors.pop(self.layout.group)
             meta.reqs.append(self._step(rid, start, n, first, anchors))
@@ -258,6 +254,27 @@ class _SchedulerSide:
         meta.finished, self._finished = self._finished, []
         meta.loads, self._loads = self._loads, []
         return meta
+
+    def _sink_step(self, meta: StreamingMetadata, rid: str, start: int, n: int, sinks: int,
+                   reason: str) -> int:
+        """Schedule `rid`'s step with the pages the tier can give and sink pages for the rest, and
+        fail the request after this step (take_failed) with `reason`. This step's tokens are still
+        computed right (the K/V with no page go to sink pages, distinct within the step); the
+        request keeps its output so far. Returns the number of sink pages used."""
+        have = len(self.pool.pages(rid)) if self.pool.has(rid) else 0
+        reserved = self._reserved.get(rid, 0)
+        target = max(have, min(reserved, have + self.pool.num_available()))
+        self.pool.ensure(rid, min(start + n, target * self.cfg.page_tokens))
+        k = self.pool.pages_for(start + n) - len(self.pool.pages(rid))
+        first_sink = self.layout.num_pages + sinks
+        if rid not in self._failed:
+            self.pool.stats.failed_host_tier_full += 1
+        self._failed[rid] = reason
+        anchors = self._anchors(rid, start)
+        first = anchors.pop(self.layout.group)
+        meta.reqs.append(self._step(rid, start, n, first, anchors,
+                                    list(range(first_sink, first_sink + k))))
+        return k
 
     def _check_start(self, rid: str, start: int) -> None:
         """A new request must start within the prefix its pages hold. Past it (another
