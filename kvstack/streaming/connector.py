@@ -155,6 +155,11 @@ class StreamingConnector(KVConnectorBase_V1, SupportsHMA):
     def take_failed_requests(self) -> dict[str, str]:
         return self._sched.take_failed() if self._sched is not None else {}
 
+    def reset_cache(self) -> bool | None:
+        """vLLM's reset_prefix_cache(reset_connector=True): no cached prefix is reused after it
+        (scheduler side; the worker's pages simply become unreachable)."""
+        return self._sched.reset_cache() if self._sched is not None else None
+
     def request_finished(self, request: "Request", block_ids: list[int]):
         self._sched.finish(request.request_id)
         return False, None

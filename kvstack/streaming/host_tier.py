@@ -46,6 +46,8 @@ class PoolStats:
     refused_requests: int = 0
     waited_for_space: int = 0
     failed_host_tier_full: int = 0
+    cache_resets: int = 0
+    reset_dropped_pages: int = 0
 
 
 @dataclass
@@ -164,6 +166,22 @@ class PagePool:
                 else:
                     self._free.append(p)
                     self.stats.freed_pages += 1
+
+    def reset_cache(self) -> int:
+        """Forget every cached prefix (vLLM's reset_prefix_cache: weights changed, sleep/wake,
+        an operator's reset): cached pages of finished requests go back to the free list, and no
+        page, a running request's included, can be hit again under its hash. Running requests
+        keep their pages (and publish none of them again: each one's `hashed` stays where it
+        is). Returns the number of cached pages dropped."""
+        dropped = len(self._lru)
+        self._free.extend(self._lru)
+        self._lru.clear()
+        self._hash_of.clear()
+        self._page_of.clear()
+        self.stats.freed_pages += dropped
+        self.stats.reset_dropped_pages += dropped
+        self.stats.cache_resets += 1
+        return dropped
 
     # ---- internals ------------------------------------------------------------------------
     def _take(self, p: int) -> None:

@@ -55,6 +55,12 @@ COUNTERS: dict[str, tuple[str, str]] = {
                               "decoding past their reservation)."),
     "evicted_pages": ("vllm:kvstack_host_tier_evicted_pages",
                       "kvstack StreamingConnector: cached pages evicted to make room."),
+    "cache_resets": ("vllm:kvstack_cache_resets",
+                     "kvstack StreamingConnector: prefix cache resets (reset_prefix_cache with "
+                     "the connector): nothing cached before one is reused after it."),
+    "reset_dropped_pages": ("vllm:kvstack_cache_reset_dropped_pages",
+                            "kvstack StreamingConnector: cached host-tier pages dropped by "
+                            "prefix cache resets."),
     "waited_for_space": ("vllm:kvstack_host_tier_waits",
                          "kvstack StreamingConnector: scheduling attempts a request waited "
                          "because the host tier had no room for it (on_host_tier_full='wait')."),

@@ -75,6 +75,9 @@ class _SchedulerSide:
         self._saved: dict[str, int] = {}  # rid -> leading prompt pages the shared tier holds
         self._loaded: dict[str, int] = {}  # rid -> prefix tokens its pages hold, until scheduled
         self._loads: list[tuple[int, Any]] = []  # (page, payload) for the next step's worker
+        # bumped by reset_cache: seeds the page hashes, so nothing hashed before a reset (the
+        # host tier's pages, the shared tier's objects) is found after it
+        self._generation = 0
         if cfg.lmcache is not None:
             self.shared = open_for_engine(cfg, layout, vllm_config,
                                           predict_store_tag(cfg, vllm_config, layout))
@@ -82,8 +85,11 @@ class _SchedulerSide:
     def _hashes_of(self, request: "Request") -> list[bytes]:
         h = self._hashes.get(request.request_id)
         if h is None:
+            key = request_key(request)
+            if self._generation:
+                key += f"|gen={self._generation}"
             h = page_hashes(list(request.prompt_token_ids or []), self.cfg.page_tokens,
-                            extra=request_key(request))
+                            extra=key)
             self._hashes[request.request_id] = h
         return h
 
@@ -330,6 +336,22 @@ class _SchedulerSide:
         self._saved.pop(rid, None)
         self._loaded.pop(rid, None)
 
+    def reset_cache(self) -> bool:
+        """vLLM's reset_prefix_cache(reset_connector=True) (`POST /reset_prefix_cache?reset_external=true`,
+        `LLM.reset_prefix_cache(reset_connector=True)`): no prefix computed before it is reused
+        after it. The host tier drops its cached pages and forgets every hash; the page hashes of
+        later requests get a new seed, so the shared tier's objects stored before are not looked
+        up either (they stay in the backend for engines that still want them); running requests
+        keep their pages but publish none of them."""
+        dropped = self.pool.reset_cache()
+        self._generation += 1
+        for rid in self._hashes:
+            self._hashes[rid] = []  # running: computed before the reset, never published now
+        self._fetched.clear()
+        logger.info("kvstack streaming: cache reset: %d cached host-tier page(s) dropped, "
+                    "prefix hashes reseeded (generation %d)", dropped, self._generation)
+        return True
+
     def stats(self) -> dict[str, Any]:
         s = self.pool.stats
         return dict(
@@ -346,5 +368,7 @@ class _SchedulerSide:
             evicted_pages=s.evicted_pages,
             waited_for_space=s.waited_for_space,
             failed_host_tier_full=s.failed_host_tier_full,
+            cache_resets=s.cache_resets,
+            reset_dropped_pages=s.reset_dropped_pages,
             **(self.shared.stats if self.shared is not None else {}),
         )

@@ -130,3 +130,33 @@ def test_prompt_logprobs_request_under_a_full_tier(policy, reference):
         assert server.complete(AFTER, max_tokens=8, client=client) == expected[2][:8]
         text = server.log.read_text(errors="replace")
         assert "EngineDeadError" not in text and "HostTierFull" not in text, server.tail()
+
+
+def test_reset_prefix_cache_through_the_server(reference):
+    """`POST /reset_prefix_cache?reset_external=true` (vLLM's development endpoints,
+    VLLM_SERVER_DEV_MODE=1, as an RL trainer or operator calls it): the StreamingConnector drops
+    its cached pages; the next request with the same prefix hits nothing from before and gives
+    the offline tokens; the one after hits the pages computed since."""
+    import urllib.request
+
+    expected = reference.result()
+    env = {**ENV, "VLLM_SERVER_DEV_MODE": "1"}
+    with serving(Server("llama4-reset", serve_args("wait"), env)) as server:
+        client = server.client()
+        assert server.complete(AFTER, max_tokens=8, client=client) == expected[2][:8]
+        m = server.wait_metrics(lambda m: m.get("vllm:kvstack_host_tier_pages_cached", 0) > 0)
+        cached = m["vllm:kvstack_host_tier_pages_cached"]
+        hits = m["vllm:kvstack_prefix_hit_tokens_total"]
+        req = urllib.request.Request(server.url + "/reset_prefix_cache?reset_external=true",
+                                     method="POST")
+        with urllib.request.urlopen(req, timeout=60) as r:
+            assert r.status == 200
+        # the reset counts show with the next step's stats
+        assert server.complete(AFTER, max_tokens=8, client=client) == expected[2][:8]
+        m = server.wait_metrics(lambda m: m.get("vllm:kvstack_cache_resets_total", 0) >= 1)
+        assert m["vllm:kvstack_cache_resets_total"] == 1, m
+        assert m["vllm:kvstack_cache_reset_dropped_pages_total"] == cached, m
+        assert m["vllm:kvstack_prefix_hit_tokens_total"] == hits, m  # nothing from before
+        assert server.complete(AFTER, max_tokens=8, client=client) == expected[2][:8]
+        m = server.wait_metrics(lambda m: m["vllm:kvstack_prefix_hit_tokens_total"] > hits)
+        assert m["vllm:kvstack_prefix_hit_tokens_total"] > hits, m
