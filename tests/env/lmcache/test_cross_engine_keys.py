@@ -21,6 +21,7 @@ pytest.importorskip("vllm")
 pytest.importorskip("lmcache")
 
 from kvstack.testbed.backend_servers import start_or_skip as _start, stop as _stop  # noqa: E402
+from kvtest import on_default_base  # noqa: E402
 from test_e2e_cpu import (PROMPT_A, qwen_baseline, qwen_model, run_engine,  # noqa: E402,F401
                           tiny)
 
@@ -38,7 +39,11 @@ def redis(tmp_path):
     _stop(server)
 
 
-@pytest.mark.parametrize("model", ["llama", "qwen3next"])
+# CI time: the dense model on every base, the hybrid one and the control on the default base
+DEFAULT_BASE_ONLY = pytest.mark.skipif(not on_default_base(), reason="default base only (CI time)")
+
+
+@pytest.mark.parametrize("model", ["llama", pytest.param("qwen3next", marks=DEFAULT_BASE_ONLY)])
 def test_second_engine_hits_with_pythonhashseed_unset_or_different(model, redis, tiny, qwen_model,
                                                                     tmp_path):
     model_dir = qwen_model if model == "qwen3next" else tiny("llama")
@@ -55,6 +60,7 @@ def test_second_engine_hits_with_pythonhashseed_unset_or_different(model, redis,
         assert not [w for w in b["warnings"] if "PYTHONHASHSEED" in w], b["warnings"]
 
 
+@DEFAULT_BASE_ONLY
 def test_stock_builtin_hash_misses_across_processes(redis, tiny, tmp_path):
     """The control: Python's hash() (stock's default, set explicitly) misses between two processes
     with PYTHONHASHSEED unset; the same prompt in the same setting with kvstack's default hits."""

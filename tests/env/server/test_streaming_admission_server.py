@@ -25,9 +25,14 @@ import threading
 
 import pytest
 
+from kvtest import on_default_base
 from vllm_server import ROOT, OfflineRun, Server, serving
 
-pytestmark = [pytest.mark.env, pytest.mark.slow, pytest.mark.streaming_hooks]
+# CI time: runs on the default base; both bases run the admission case offline
+# (tests/env/streaming/test_host_tier_full.py) and the reset (tests/env/streaming/test_reset_cache.py)
+pytestmark = [pytest.mark.env, pytest.mark.slow, pytest.mark.streaming_hooks,
+              pytest.mark.skipif(not on_default_base(), reason="runs on the default base only "
+                                 "(CI time); this base: test_host_tier_full.py, test_reset_cache.py")]
 
 MODEL = "build/tiny-models/llama4"
 PAGE_BYTES = 32 * 2 * 2 * 32 * 2  # page tokens x (K, V) x KV heads x head_dim x bf16, one layer
