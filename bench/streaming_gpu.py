@@ -243,10 +243,14 @@ class HostTier:
 
     def _pin(self, t: torch.Tensor) -> torch.Tensor:
         try:
-            size = -(-t.numel() * t.element_size() // PAGE_BYTES) * PAGE_BYTES  # whole OS pages
-            r = _cuda_err(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), size, 0))
+            # the whole storage the page-aligned view lies in: torch's is_pinned() asks about the
+            # storage's base pointer, which a range starting at the view's (aligned) first byte
+            # does not contain (seen on an H200: registered, yet not seen as pinned)
+            st = t.untyped_storage()
+            base, size = st.data_ptr(), st.nbytes()
+            r = _cuda_err(torch.cuda.cudart().cudaHostRegister(base, size, 0))
             if r == 0:
-                self._registered.append(t.data_ptr())
+                self._registered.append(base)
                 if t.is_pinned():
                     self.pin_method = "cudaHostRegister"
                     return t
