@@ -8,7 +8,7 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvstack.matrix.states import S_ERROR, S_FAIL, S_PASS, Cell
+from kvstack.matrix.states import S_ERROR, S_FAIL, S_PASS, S_SKIPPED, Cell
 
 
 @dataclass
@@ -37,6 +37,8 @@ def summarize(cases: list[TestCase], source: str) -> Cell:
     if n["failed"]:
         first = [f"{c.classname}::{c.name}" for c in cases if c.outcome == "failed"][:3]
         return Cell(S_FAIL, f"{counts} ({source}); first: {', '.join(first)}")
+    if not n["passed"]:  # every test skipped: nothing was shown to work
+        return Cell(S_SKIPPED, f"{counts} ({source}): none ran")
     return Cell(S_PASS, f"{counts} ({source})")
 
 

@@ -744,3 +744,24 @@ def test_propose_base_on_the_real_cached_releases():
     # LMCache 0.5.6 is base 0.32's pin: its wheel lines are known and copied, not TODO
     assert "WHEEL_CP311_SHA256=" in report["pin_files"]["lmcache"] and "TODO" not in report["pin_files"]["lmcache"]
     assert "# TODO CUDA_WHEEL=vllm-0.33.0-" in report["pin_files"]["vllm"]
+
+
+def test_a_cell_whose_tests_all_skipped_is_skipped_not_pass(fake_repo, tmp_path):
+    """A pass needs at least one test that ran and none that failed: a results file in which every
+    test of a cell (or of a patch's row) was skipped shows "skipped", never pass."""
+    from kvstack.matrix.results import TestCase, summarize
+
+    skipped = [TestCase("tests.test_pack", "test_views", "", "skipped")] * 3
+    cell = summarize(skipped, "x.xml")
+    assert cell.state == M.S_SKIPPED and "none ran" in cell.detail
+    assert summarize(skipped + [TestCase("t", "a", "", "passed")], "x.xml").state == M.S_PASS
+    stack(fake_repo, tmp_path)
+    allskip = tmp_path / "unit.xml"
+    allskip.write_text(JUNIT.format(fail="").replace(
+        '"/>\n<testcase', '"><skipped message="no env"/></testcase>\n<testcase').replace(
+        'name="test_b"></testcase>', 'name="test_b"><skipped message="no env"/></testcase>'))
+    doc = matrix(fake_repo, suites=M.load_config(fake_repo / "ci" / "matrix.toml", fake_repo).suites,
+                 results=[f"unit={allskip}"])
+    unit = doc["results"]["unit"]["stack"]["0.1.0/1.0.0"]
+    assert unit["state"] == M.S_SKIPPED, unit
+    assert M.S_SKIPPED in M.STATES and M.S_SKIPPED in M.COLORS and M.S_SKIPPED in M.MD_MARK

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict
 
 from kvstack.matrix.upstream_status import propose
-from kvstack.matrix.states import COLORS, LABEL, S_APPLIES, S_NONE, S_NOT_RUN, S_ERROR, S_FAIL, S_PASS, S_UPSTREAM, SHORT, STATES, Cell
+from kvstack.matrix.states import (COLORS, LABEL, S_APPLIES, S_ERROR, S_FAIL, S_NONE, S_NOT_RUN, S_PASS, S_SKIPPED,
+                                   S_UPSTREAM, SHORT, STATES, Cell)
 
 
 def short(cell: dict) -> str:
@@ -111,7 +112,8 @@ def _notes(doc: dict) -> list[str]:
     for suite, rows in doc["results"].items():
         for label, cells in rows.items():
             for key, cell in cells.items():
-                if cell["state"] in (S_PASS, S_FAIL, S_ERROR) and (label == "stack" or cell["state"] != S_PASS):
+                if cell["state"] in (S_PASS, S_FAIL, S_ERROR, S_SKIPPED) and (
+                        label == "stack" or cell["state"] != S_PASS):
                     out.append(f"{suite} {key}, {label}: {Cell(**cell).text()}")
     return out
 
