@@ -11,8 +11,8 @@ vLLM: the installed one with kvstack's vLLM series taken out. LMCache's backend 
 with the usual LMCACHE_* environment variables. The last stdout line is JSON:
 {"tokens": [[...], ...], "hits": [N, ...], "restored": [N, ...], "cached": [N, ...], "local": [N, ...],
 "block_size": N, "groups": [spec class name, ...], "hma_off": bool, "lmcache_supports_hma": bool,
-"hma_fallback_reason": str|null, "warnings": [...], "indexed": N|null} where hits are the external hit tokens LMCache
-reported for each request (a prefix length), restored the hybrid states restored, cached the prompt tokens
+"hma_fallback_reason": str|null, "warnings": [...], "indexed": N|null} where hits are the external hit
+tokens LMCache reported for each request (a prefix length), restored the hybrid states restored, cached the prompt tokens
 not computed (vLLM's num_cached_tokens: its own prefix cache and LMCache's hits), local the tokens vLLM's
 own prefix cache held when LMCache was asked, block_size vLLM's (align mode sizes it) and indexed the
 chunk files the local disk backend indexed at start-up (null: no disk scan).
@@ -106,7 +106,6 @@ def main(argv=None) -> int:
 
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
-
 
     if args.zero_restored_state:
         import lmcache.integration.vllm.vllm_v1_adapter as adapter
