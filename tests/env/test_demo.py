@@ -92,7 +92,9 @@ def test_demo_help():
     assert proc.returncode == 0
     assert "--only {streaming,lmcache}" in proc.stdout
     assert "--upstream {overlay,installed}" in proc.stdout
-    assert "--simple" in proc.stdout and "--model {llama,llama4,qwen3next}" in proc.stdout
+    from kvstack.testbed.tiny_models import MODEL_NAMES
+
+    assert "--simple" in proc.stdout and f"--model {{{','.join(MODEL_NAMES)}}}" in proc.stdout
 
 
 def test_simple_demo_ends_with_generated_line(tmp_path):
