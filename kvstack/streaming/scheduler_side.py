@@ -337,9 +337,9 @@ class _SchedulerSide:
         self._loaded.pop(rid, None)
 
     def reset_cache(self) -> bool:
-        """vLLM's reset_prefix_cache(reset_connector=True) (`POST /reset_prefix_cache?reset_external=true`,
-        `LLM.reset_prefix_cache(reset_connector=True)`): no prefix computed before it is reused
-        after it. The host tier drops its cached pages and forgets every hash; the page hashes of
+        """vLLM's reset_prefix_cache(reset_connector=True) (`LLM.reset_prefix_cache(reset_connector=
+        True)`, `POST /reset_prefix_cache?reset_external=true`): no prefix computed before it is
+        reused after it. The host tier drops its cached pages and forgets every hash; the page hashes of
         later requests get a new seed, so the shared tier's objects stored before are not looked
         up either (they stay in the backend for engines that still want them); running requests
         keep their pages but publish none of them."""
