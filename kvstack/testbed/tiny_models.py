@@ -12,6 +12,14 @@ Three models, each small enough to load and generate in a few seconds on two CPU
   (chunk 32), layer 3 is a NoPE global layer; two experts.
 - ``qwen3next``: Qwen3NextForCausalLM, hybrid gated delta-net (linear attention) + full attention.
 
+Made on request only (in MODELS, not in MODEL_NAMES: not written by default, nor run by the demo or
+tests/env/test_tiny_models.py):
+
+- ``deepseek_v2``: DeepseekV2ForCausalLM, MLA: a 576-wide latent KV cache with one "head" per
+  token (kv_lora_rank 512 + rope 64, the one size vLLM 0.32's CPU MLA kernels take), 2 dense
+  layers; for the MLA tests (tests/env/lmcache/test_mla_lmcache.py). vLLM 0.25.1's CPU engine
+  refuses MLA models.
+
 `llm_kwargs(name, model_dir)` gives the vLLM ``LLM(...)`` arguments each model needs on the CPU
 engine, so tests and the demo start engines the same way.
 
@@ -192,6 +200,37 @@ MODELS: dict[str, TinyModel] = {
         ),
         engine=dict(block_size=32, dtype="bfloat16"),
         summary="Gemma-2, 4 layers: sliding window 64 and full attention alternating, soft-capped",
+    ),
+    # Not in MODEL_NAMES (only the MLA tests make it): vLLM 0.25.1's CPU engine refuses MLA, and
+    # vLLM 0.32's CPU MLA kernels take one latent size only, 576 = kv_lora_rank 512 + rope 64.
+    "deepseek_v2": TinyModel(
+        name="deepseek_v2",
+        architecture="DeepseekV2ForCausalLM",
+        config_class="DeepseekV2Config",
+        config=dict(
+            _COMMON,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            q_lora_rank=None,  # plain q_proj, as DeepSeek-V2-Lite
+            kv_lora_rank=512,  # latent cache 512 + 64 = 576 wide, one "head" per token
+            qk_rope_head_dim=64,
+            qk_nope_head_dim=16,
+            v_head_dim=16,
+            first_k_dense_replace=2,  # every layer dense: no MoE
+            n_routed_experts=2,
+            n_shared_experts=1,
+            moe_intermediate_size=64,
+            num_experts_per_tok=1,
+            # Weights drawn with std 0.3, not 0.02: with 0.02 this model's next-token logprobs
+            # lie within hundredths of each other (greedy tokens on exact ties) and its attention
+            # is nearly uniform, so a wrong latent KV would hardly change a token.
+            initializer_range=0.3,
+        ),
+        engine=dict(dtype="bfloat16"),  # block size: vLLM's CPU platform sets it for MLA (16; AMX: 128)
+        summary="DeepSeek-V2 (MLA), 2 dense layers: 576-wide latent KV (kv_lora_rank 512 + rope 64)",
     ),
 }
 

@@ -2,6 +2,7 @@
 
     python engine_run.py --model qwen3next --model-dir DIR [--lmcache] [--wipe] --prompts P.json
                          [--max-tokens N] [--max-num-batched-tokens N] [--max-model-len N] [--align]
+                         [--prefix-caching]
                          [--zero-restored-state] [--kill-pgid PGID [--kill-before N]]
                          [--with-streaming REGEX [--page-tokens N] [--zero-restored-kv-from N]]
 
@@ -69,6 +70,9 @@ def main(argv=None) -> int:
     ap.add_argument("--align", action="store_true",
                     help="vLLM's own hybrid prefix caching too: enable_prefix_caching, "
                          "mamba_cache_mode='align' (hybrid models)")
+    ap.add_argument("--prefix-caching", action="store_true",
+                    help="vLLM's own prefix caching, kept on where vLLM's CPU platform turns it off "
+                         "(MLA models): a reference for a repeat served from a cached prefix")
     ap.add_argument("--zero-restored-state", action="store_true",
                     help="negative control: zero every hybrid state LMCache restores (a mutation in "
                          "this process; the tokens must then differ)")
@@ -131,7 +135,9 @@ def main(argv=None) -> int:
 
         cache_engine.LMCacheEngine.retrieve = retrieve_zeros
 
-    kw = llm_kwargs(args.model, args.model_dir, enable_prefix_caching=args.align,
+    if args.prefix_caching:
+        _keep_prefix_caching()
+    kw = llm_kwargs(args.model, args.model_dir, enable_prefix_caching=args.align or args.prefix_caching,
                     max_num_batched_tokens=args.max_num_batched_tokens)
     if args.align:
         kw["mamba_cache_mode"] = "align"
@@ -214,6 +220,21 @@ def with_streaming_config(streaming_layers: str, page_tokens: int) -> dict:
     return {"kv_connector": "MultiConnector", "kv_role": "kv_both",
             "kv_connector_extra_config": {"connectors": [
                 streaming, {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}]}}
+
+
+def _keep_prefix_caching() -> None:
+    """vLLM's CPU platform turns prefix caching (and chunked prefill) off for MLA models on its
+    reference MLA backend; keep prefix caching on, so a repeat runs from vLLM's own cached prefix
+    through the same cached-context prefill a connector's external hit takes."""
+    from vllm.platforms.cpu import CpuPlatform
+
+    update = CpuPlatform.check_and_update_config.__func__
+
+    def keep(cls, vllm_config):
+        update(cls, vllm_config)
+        vllm_config.cache_config.enable_prefix_caching = True
+
+    CpuPlatform.check_and_update_config = classmethod(keep)
 
 
 def _zero_blocks(kv_caches, slots, block_size: int) -> None:

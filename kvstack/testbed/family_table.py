@@ -1,0 +1,376 @@
+"""Never worse than stock, as a table: model families x KV connectors, stock vLLM + LMCache vs kvstack.
+
+Issue 27's rule: whatever stock vLLM + LMCache of a base serves, kvstack serves with the same tokens,
+and a repeat hits the cache at least as much. Each cell runs one tiny model of the family
+(kvstack.testbed.tiny_models, shaped like the real ones) with one connector, the same prompt twice,
+on two sides:
+
+- ``stock``: the installed vLLM with kvstack's vLLM series taken out again (kvstack.release.overlay,
+  reversed), but for the fixes stock needs to start on the CPU engine at all (CPU_ENGINE_FIXES).
+  LMCache keeps kvstack's CPU path (stock LMCache has none on the CPU engine).
+- ``kvstack``: the installed, patched vLLM.
+
+Connectors: ``none`` (vLLM's defaults, its own prefix cache on), ``lmcache`` (LMCacheConnectorV1,
+local CPU tier, vLLM's prefix cache off so a repeat's hit is LMCache's), ``streaming`` (kvstack's
+StreamingConnector on one full-attention layer) and ``multi`` (MultiConnector: Streaming +
+LMCache). Stock has no StreamingConnector: those cells compare kvstack's tokens with stock's
+``none`` tokens (the output a user gets without the feature).
+
+A cell's verdict (``verdict``):
+
+- ``pass``: kvstack served; its first run computed the whole prompt (nothing left over from another
+  cell); the first run and the repeat gave stock's greedy tokens (the reference's); its repeat hit at least as many tokens as
+  stock's (kvstack-only connectors: the hit is shown; StreamingConnector alone reuses its own
+  layers' pages only, so the repeat's prompt is computed again for the other layers);
+- ``refused by upstream``: stock refused it and kvstack refuses too;
+- ``kvstack only``: stock refused it, kvstack serves it with the tokens of stock's ``none``;
+- ``refused by design``: a kvstack-only connector refuses the configuration at start-up with its
+  reason (stock cannot run it at all);
+- ``FAIL``: anything else, above all stock serves and kvstack refuses or differs, or kvstack fails
+  after start-up or its engine process dies (never a refusal).
+
+One process per side runs its cells one engine after another (a refused engine ends the process;
+the driver starts a new one for the cells left), and prints a JSON line per cell. The test
+(tests/env/test_family_table.py) renders the table into docs/family-table.md, one section per base:
+
+    python -m kvstack.testbed.family_table publish   # docs/family-table.md from build/family-table/*.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+OUT_DIR = REPO / "build" / "family-table"
+DOC = REPO / "docs" / "family-table.md"
+
+# Kept in "stock": a fix without which stock vLLM 0.32 cannot start any model on the CPU engine
+# once LMCache is imported (the CPU platform's Triton kernel-override scan calls vars() on numba's
+# llvmlite library object); the scan is CPU-only, so a GPU user of stock never meets it.
+CPU_ENGINE_FIXES = ("triton_utils-kernel-override-scan",)
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str  # the family as a user knows it
+    model: str  # a kvstack.testbed.tiny_models name
+    streaming_layers: str  # the full-attention layer the streaming cells stream
+    env: tuple[tuple[str, str], ...] = ()  # engine environment of every cell
+
+
+FAMILIES = (
+    Family("dense GQA (Llama-3)", "llama", r"layers\.1\."),
+    Family("sliding window + full (Gemma-2)", "gemma2", r"layers\.1\."),
+    # vLLM turns the hybrid manager off for chunked-local attention unless this variable is set;
+    # with it, the model has chunked-local + full groups (what kvstack once refused with LMCache)
+    Family("chunked local + MoE (Llama-4)", "llama4", r"layers\.3\.",
+           (("VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE", "1"),)),
+    Family("MLA (DeepSeek-V2)", "deepseek_v2", r"layers\.1\."),
+    Family("GDN hybrid + MoE (Qwen3-Next)", "qwen3next", r"layers\.3\."),
+)
+CONNECTORS = ("none", "lmcache", "streaming", "multi")
+STOCK_CONNECTORS = ("none", "lmcache")  # stock vLLM has no StreamingConnector
+CHUNK = 32  # LMCache chunk and streaming page, tokens
+PROMPT = [(i * 53) % 900 + 3 for i in range(200)]  # 6 whole chunks of 32 + 8 tokens
+MAX_TOKENS = 8
+LMCACHE_ENV = {"LMCACHE_CHUNK_SIZE": str(CHUNK), "LMCACHE_LOCAL_CPU": "True",
+               "LMCACHE_MAX_LOCAL_CPU_SIZE": "0.5", "LMCACHE_DISABLE_BANNER": "1"}
+
+PASS, UPSTREAM, KVSTACK_ONLY, BY_DESIGN, FAIL = (
+    "pass", "refused by upstream", "kvstack only", "refused by design", "FAIL")
+
+
+def family(model: str) -> Family:
+    return next(f for f in FAMILIES if f.model == model)
+
+
+def cells(side: str, models: list[str] | None = None) -> list[tuple[str, str]]:
+    """(model, connector) of every cell `side` runs."""
+    conns = STOCK_CONNECTORS if side == "stock" else CONNECTORS
+    return [(f.model, c) for f in FAMILIES if models is None or f.model in models for c in conns]
+
+
+def build_stock_overlay(dest: Path) -> Path:
+    """Stock vLLM for the stock side: the installed vLLM with kvstack's vLLM series taken out again
+    (an overlay in `dest`, for $KVSTACK_OVERLAY), but for CPU_ENGINE_FIXES."""
+    import importlib.util
+
+    from kvstack.release import overlay
+    from kvstack.release.pins import load_pin
+
+    site = Path(list(importlib.util.find_spec("vllm").submodule_search_locations)[0]).parent
+    patches = [p for p in overlay.series_patches(load_pin("vllm").series_dir)
+               if not any(k in p.name for k in CPU_ENGINE_FIXES)]
+    overlay.build_overlay(patches, site, dest, reverse=True)
+    return dest
+
+
+# ----------------------------------------------------------------------------------------------
+# The runner: one process, one side, cells one engine after another.
+# ----------------------------------------------------------------------------------------------
+
+def kv_transfer(connector: str, fam: Family) -> dict | None:
+    lmcache = {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}
+    streaming = {"kv_connector": "StreamingConnector", "kv_role": "kv_both",
+                 "kv_connector_module_path": "kvstack.streaming",
+                 "kv_connector_extra_config": {"streaming_layers": [fam.streaming_layers],
+                                               "page_tokens": CHUNK, "host_tier_gib": 0.05}}
+    return {"none": None, "lmcache": lmcache, "streaming": streaming,
+            "multi": {"kv_connector": "MultiConnector", "kv_role": "kv_both",
+                      "kv_connector_extra_config": {"connectors": [streaming, lmcache]}}}[connector]
+
+
+def _run_cell(model: str, connector: str, models_dir: Path) -> dict:
+    import gc
+
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    from kvstack.testbed.tiny_models import llm_kwargs
+
+    fam = family(model)
+    kw = llm_kwargs(model, models_dir / model, max_num_batched_tokens=64)
+    if connector != "none":
+        kw["enable_prefix_caching"] = False  # a repeat's hit is the connector's
+        kw["kv_transfer_config"] = KVTransferConfig(**kv_transfer(connector, fam))
+    start = time.monotonic()
+    try:
+        llm = LLM(**kw)
+    except Exception as exc:
+        exc.kvstack_phase = "start-up"
+        raise
+    sp = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    tokens, cached = [], []
+    for _ in range(2):
+        out = llm.generate([{"prompt_token_ids": PROMPT}], sp, use_tqdm=False)[0]
+        tokens.append(list(out.outputs[0].token_ids))
+        cached.append(int(out.num_cached_tokens or 0))
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
+    from vllm.distributed.kv_transfer.kv_connector.v1.lmcache_connector import LMCacheConnectorV1
+
+    vcfg = llm.llm_engine.vllm_config
+    core = llm.llm_engine.engine_core.engine_core
+    res = {"model": model, "connector": connector, "served": True, "tokens": tokens, "cached": cached,
+           "groups": sorted({type(g.kv_cache_spec).__name__
+                             for g in core.scheduler.kv_cache_config.kv_cache_groups}),
+           "hma_off": bool(vcfg.scheduler_config.disable_hybrid_kv_cache_manager),
+           # which LMCacheConnectorV1 ran: stock's does not support the hybrid manager
+           "lmcache_supports_hma": issubclass(LMCacheConnectorV1, SupportsHMA),
+           "seconds": round(time.monotonic() - start, 1)}
+    llm.llm_engine.engine_core.shutdown()
+    del llm, core
+    gc.collect()
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    cleanup_dist_env_and_memory()
+    # LMCache keeps its engine in a process-wide registry that the connector's shutdown leaves
+    # alone: the next cell's connector would get this one (another model's layout, its chunks).
+    engines = sys.modules.get("lmcache.v1.cache_engine")
+    if engines is not None:
+        for instance in list(engines.LMCacheEngineBuilder._instances):
+            engines.LMCacheEngineBuilder.destroy(instance)
+    return res
+
+
+def runner_main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="family_table run")
+    ap.add_argument("--models-dir", type=Path, required=True)
+    ap.add_argument("cells", nargs="+", help="MODEL:CONNECTOR")
+    args = ap.parse_args(argv)
+    from kvstack.release import overlay
+
+    overlay.install()  # $KVSTACK_OVERLAY: stock vLLM; before vLLM is imported
+    from kvstack.testbed.tiny_models import apply_engine_env
+
+    apply_engine_env()
+    for k, v in LMCACHE_ENV.items():
+        os.environ.setdefault(k, v)
+    for cell in args.cells:
+        model, connector = cell.split(":")
+        for k, v in family(model).env:
+            os.environ[k] = v
+        try:
+            res = _run_cell(model, connector, args.models_dir)
+        except Exception as exc:  # a refusal: say it, then end (the engine may have left state)
+            msg = f"{type(exc).__name__}: {exc}".strip()
+            print("FAMILY-CELL " + json.dumps({"model": model, "connector": connector,
+                                               "served": False, "error": msg[-1500:],
+                                               "phase": getattr(exc, "kvstack_phase", "serving")}),
+                  flush=True)
+            os._exit(3)
+        print("FAMILY-CELL " + json.dumps(res), flush=True)
+    os._exit(0)  # skip slow engine/LMCache teardown
+
+
+def run_side(side: str, todo: list[tuple[str, str]], models_dir: Path, *, overlay_dir: Path | None,
+             log: Path, timeout: float = 900) -> dict[tuple[str, str], dict]:
+    """Run `todo` on `side` (processes as needed); every cell gets a result."""
+    env = {k: v for k, v in os.environ.items() if k != "KVSTACK_OVERLAY"}
+    env.update({"PYTHONPATH": str(REPO), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    if overlay_dir is not None:
+        env["KVSTACK_OVERLAY"] = str(overlay_dir)
+    results: dict[tuple[str, str], dict] = {}
+    left = list(todo)
+    with open(log, "a") as logf:
+        while left:
+            cmd = [sys.executable, "-m", "kvstack.testbed.family_table", "run",
+                   "--models-dir", str(models_dir), *[f"{m}:{c}" for m, c in left]]
+            logf.write(f"$ {' '.join(cmd)}\n")
+            logf.flush()
+            try:
+                proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+                out, err = proc.stdout, proc.stderr
+            except subprocess.TimeoutExpired as exc:
+                out, err = (exc.stdout or b"").decode(), f"timed out after {timeout} s"
+            logf.write(out + err)
+            got = [json.loads(ln.split(" ", 1)[1]) for ln in out.splitlines()
+                   if ln.startswith("FAMILY-CELL ")]
+            for res in got:
+                results[(res["model"], res["connector"])] = res
+            done = {(r["model"], r["connector"]) for r in got}
+            if not done:  # died before its first cell answered: that cell failed
+                results[left[0]] = {"model": left[0][0], "connector": left[0][1], "served": False,
+                                    "error": "the engine process died: " + err.strip()[-1500:],
+                                    "phase": "died"}
+                done = {left[0]}
+            left = [c for c in left if c not in done]
+    return results
+
+
+# ----------------------------------------------------------------------------------------------
+# Verdicts and the rendered table.
+# ----------------------------------------------------------------------------------------------
+
+def _why(res: dict) -> str:
+    """The refusal's own words, short: the last meaningful line of the error."""
+    lines = [ln.strip(" -") for ln in res.get("error", "").splitlines() if ln.strip()]
+    text = next((ln for ln in lines if "unsupported configuration" not in ln and len(ln) > 20),
+                lines[-1] if lines else "?")
+    text = re.sub(r"^\w+(Error|Exception|Configuration): ", "", text)
+    text = re.sub(r" \(\[.*?\]\)", "", text)  # layer name lists
+    text = text.split("; ")[0]  # the first clause says what; the log has the rest
+    return text if len(text) <= 160 else text[:157] + "..."
+
+
+def verdict(model: str, connector: str, stock: dict[tuple[str, str], dict],
+            ours: dict[tuple[str, str], dict]) -> tuple[str, str]:
+    """(verdict, detail) of one cell."""
+    mine = ours[(model, connector)]
+    kvstack_only = connector not in STOCK_CONNECTORS
+    if not mine["served"] and mine.get("phase") != "start-up":  # never a refusal: a fault
+        return FAIL, f"kvstack failed while {mine.get('phase')}: " + _why(mine)
+    ref = stock.get((model, "none" if kvstack_only else connector))
+    if ref is None or not ref["served"]:
+        if not mine["served"]:
+            return (BY_DESIGN if kvstack_only else UPSTREAM), _why(mine)
+        none = stock.get((model, "none"))
+        if none and none["served"] and mine["tokens"][0] == none["tokens"][0]:
+            return KVSTACK_ONLY, f"repeat {mine['cached'][1]}/{len(PROMPT)} cached"
+        return FAIL, "stock refused it; kvstack serves other tokens than stock without a connector"
+    if not mine["served"]:
+        if kvstack_only:
+            return BY_DESIGN, _why(mine)
+        return FAIL, "stock serves, kvstack refuses: " + _why(mine)
+    if mine["cached"][0] != 0:
+        return FAIL, f"the first run found {mine['cached'][0]} tokens cached (left by another cell?)"
+    # the first run and the repeat, each against stock's (a repeat from a cached prefix is compared
+    # with stock's repeat, not with the first run: vLLM's CPU MLA backend's cached-context prefill
+    # does not always give a full prefill's tokens, on stock too)
+    if mine["tokens"] != ref["tokens"]:
+        return FAIL, f"tokens differ from stock's: {mine['tokens']} vs {ref['tokens']}"
+    need = 0 if kvstack_only else ref["cached"][1]  # streaming alone reuses no device prefix
+    if mine["cached"][1] < need:
+        return FAIL, f"the repeat hit {mine['cached'][1]} tokens, stock {ref['cached'][1]}"
+    detail = f"repeat {mine['cached'][1]}/{len(PROMPT)} cached"
+    if not kvstack_only:
+        detail += f" (stock {ref['cached'][1]})"
+    return PASS, detail
+
+
+def table(base: str, stock: dict, ours: dict) -> dict:
+    """The table of one base as data (what is saved and rendered)."""
+    rows = []
+    for fam in FAMILIES:
+        if not any(m == fam.model for m, _ in ours):
+            continue
+        row = {"family": fam.name, "model": fam.model, "cells": {}}
+        for c in CONNECTORS:
+            v, d = verdict(fam.model, c, stock, ours)
+            row["cells"][c] = {"verdict": v, "detail": d}
+        rows.append(row)
+    return {"base": base, "rows": rows}
+
+
+HEADERS = {"none": "no connector", "lmcache": "LMCacheConnectorV1", "streaming": "StreamingConnector",
+           "multi": "MultiConnector (Streaming + LMCache)"}
+
+
+def render(tab: dict) -> str:
+    """Markdown of one base's table (deterministic: no timings)."""
+    out = [f"<!-- family-table base {tab['base']} -->", f"### Base {tab['base']}", "",
+           "| family (tiny model) | " + " | ".join(HEADERS[c] for c in CONNECTORS) + " |",
+           "|---|" + "---|" * len(CONNECTORS)]
+    for row in tab["rows"]:
+        cells = []
+        for c in CONNECTORS:
+            cell = row["cells"][c]
+            text = f"**{cell['verdict']}**" if cell["verdict"] == FAIL else cell["verdict"]
+            cells.append(f"{text}: {cell['detail'].replace('|', '/')}")
+        out.append(f"| {row['family']} (`{row['model']}`) | " + " | ".join(cells) + " |")
+    out.append(f"<!-- end family-table base {tab['base']} -->")
+    return "\n".join(out) + "\n"
+
+
+def doc_section(base: str, text: str | None = None) -> str | None:
+    """The committed section of `base` in docs/family-table.md (None: not there)."""
+    text = DOC.read_text() if text is None else text
+    start, end = f"<!-- family-table base {base} -->", f"<!-- end family-table base {base} -->"
+    if start not in text or end not in text:
+        return None
+    a = text.index(start)
+    return text[a:text.index(end) + len(end)] + "\n"
+
+
+def publish(paths: list[Path]) -> str:
+    """Replace (or add) each base's section of docs/family-table.md by its rendering."""
+    text = DOC.read_text()
+    for path in paths:
+        tab = json.loads(path.read_text())
+        new, old = render(tab), doc_section(tab["base"], text)
+        if old is None:
+            text = text.rstrip("\n") + "\n\n" + new
+        else:
+            text = text.replace(old, new)
+    DOC.write_text(text)
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["run"]:
+        return runner_main(argv[1:])
+    ap = argparse.ArgumentParser(prog="python -m kvstack.testbed.family_table",
+                                 description="publish: write docs/family-table.md's sections from "
+                                             "the tables the test saved (build/family-table/*.json)")
+    ap.add_argument("command", choices=["publish"])
+    ap.add_argument("tables", nargs="*", type=Path,
+                    help="default: build/family-table/*.json (one per base)")
+    args = ap.parse_args(argv)
+    paths = args.tables or sorted(OUT_DIR.glob("*.json"))
+    if not paths:
+        ap.error(f"no tables in {OUT_DIR}: run the test first (pytest tests/env/test_family_table.py)")
+    publish(paths)
+    print(f"wrote {DOC.relative_to(REPO)} from {', '.join(str(p) for p in paths)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

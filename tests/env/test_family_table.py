@@ -1,0 +1,101 @@
+"""Never worse than stock (issue 27), as a table: model families x KV connectors, stock vLLM +
+LMCache (kvstack's vLLM series taken out again) vs kvstack, on the base in effect.
+
+kvstack.testbed.family_table runs the cells (one engine process per side, the cells one engine
+after another) and gives each a verdict; this test fails on any FAIL cell (above all "stock serves,
+kvstack refuses"), checks the control that the stock side really ran stock's code, and checks that
+docs/family-table.md holds this run's table for the base (rendered from the results, never by
+hand: `python -m kvstack.testbed.family_table publish` writes it from build/family-table/*.json).
+
+Replaces test_window_models_lmcache.py (Gemma-2 and chunked-local Llama-4 with LMCache, stock vs
+kvstack: now the table's lmcache column, with the same control).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+pytest.importorskip("vllm")
+pytest.importorskip("lmcache")
+
+from kvstack.testbed import family_table as ft  # noqa: E402
+
+pytestmark = pytest.mark.env
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Both sides' results for every cell: ({cell: result} stock, {cell: result} kvstack)."""
+    from kvstack.testbed.tiny_models import make_model
+
+    tmp = tmp_path_factory.mktemp("family")
+    models = tmp / "models"
+    for fam in ft.FAMILIES:
+        make_model(fam.model, models / fam.model)
+    stock_dir = ft.build_stock_overlay(tmp / "stock-overlay")
+    log = tmp / "engines.log"
+    stock = ft.run_side("stock", ft.cells("stock"), models, overlay_dir=stock_dir, log=log)
+    ours = ft.run_side("kvstack", ft.cells("kvstack"), models, overlay_dir=None, log=log)
+    return stock, ours
+
+
+@pytest.fixture(scope="module")
+def table(runs):
+    from kvstack.release.pins import default_base
+
+    base = os.environ.get("KVSTACK_BASE") or default_base()
+    tab = ft.table(base, *runs)
+    ft.OUT_DIR.mkdir(parents=True, exist_ok=True)
+    (ft.OUT_DIR / f"{base}.json").write_text(json.dumps(tab, indent=1) + "\n")
+    (ft.OUT_DIR / f"{base}.md").write_text(ft.render(tab))
+    print("\n" + ft.render(tab))
+    return tab
+
+
+@pytest.mark.parametrize("cell", [f"{m}-{c}" for m, c in ft.cells("kvstack")])
+def test_cell(cell, table):
+    model, connector = cell.rsplit("-", 1)
+    row = next(r for r in table["rows"] if r["model"] == model)
+    got = row["cells"][connector]
+    assert got["verdict"] != ft.FAIL, f"{row['family']} with {ft.HEADERS[connector]}: {got['detail']}"
+
+
+def test_the_stock_side_ran_stock(runs):
+    """The control: the stock side ran stock's LMCacheConnectorV1 (no hybrid-manager support, so
+    vLLM turned the manager off itself) and kvstack's supports it (and keeps it only for
+    Mamba-style hybrids); otherwise both sides ran the same code and no cell could fail."""
+    stock, ours = runs
+    served = [(k, r) for k, r in stock.items() if r["served"] and k[1] == "lmcache"]
+    assert served, "stock served no LMCache cell: the table compares nothing"
+    for (model, _), r in served:
+        assert not r["lmcache_supports_hma"] and r["hma_off"], (model, r)
+    for (model, conn), r in ours.items():
+        if r["served"] and conn == "lmcache":
+            assert r["lmcache_supports_hma"], (model, r)
+            # the hybrid manager stays on for the Mamba-style hybrid only
+            assert r["hma_off"] == (model != "qwen3next"), (model, r)
+
+
+def test_the_docs_hold_this_run(table):
+    rendered = ft.render(table)
+    committed = ft.doc_section(table["base"])
+    assert committed == rendered, (
+        f"{ft.DOC.relative_to(ft.REPO)} does not hold this run's table for base {table['base']}: "
+        "run `python -m kvstack.testbed.family_table publish` and commit it.\nThis run:\n" + rendered)
+
+
+def test_hybrid_model_keeps_the_hybrid_manager():
+    """The fallback is for models without state: a Mamba-style hybrid keeps the manager (its
+    state groups are what kvstack's LMCache patches restore)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.lmcache_connector import LMCacheConnectorV1
+
+    class Cfg:
+        def __init__(self, hybrid):
+            self.is_hybrid = hybrid
+
+    assert LMCacheConnectorV1.hma_fallback_reason(Cfg(True)) is None
+    assert LMCacheConnectorV1.hma_fallback_reason(None) is None
+    assert "Mamba" in LMCacheConnectorV1.hma_fallback_reason(Cfg(False))

@@ -1,0 +1,76 @@
+"""The family table's verdicts and rendering (kvstack.testbed.family_table), on made-up results: each
+rule that makes a cell FAIL is shown to fire, so the engine test (tests/env/test_family_table.py)
+can fail."""
+
+from __future__ import annotations
+
+from kvstack.testbed import family_table as ft
+
+T = [[5, 6, 7], [5, 6, 7]]
+
+
+def served(tokens=T, cached=(0, 192)):
+    return {"served": True, "tokens": tokens, "cached": list(cached)}
+
+
+def refused(phase="start-up", error="ValueError: no; the rest"):
+    return {"served": False, "phase": phase, "error": error}
+
+
+def v(stock, ours, connector="lmcache"):
+    s = {("m", c): r for c, r in stock.items()}
+    o = {("m", connector): ours}
+    return ft.verdict("m", connector, s, o)
+
+
+def test_pass_needs_stock_tokens_and_at_least_stock_hits():
+    assert v({"lmcache": served()}, served())[0] == ft.PASS
+    # the negative controls: another token, fewer hits, a first run that hit, a repeat that differs
+    assert v({"lmcache": served()}, served(tokens=[[5, 6, 8], [5, 6, 8]]))[0] == ft.FAIL
+    assert v({"lmcache": served()}, served(cached=(0, 160)))[0] == ft.FAIL
+    assert v({"lmcache": served()}, served(cached=(192, 192)))[0] == ft.FAIL
+    assert v({"lmcache": served()}, served(tokens=[[5, 6, 7], [5, 6, 9]]))[0] == ft.FAIL
+
+
+def test_stock_serves_kvstack_refuses_is_a_failure():
+    verdict, detail = v({"lmcache": served()}, refused())
+    assert verdict == ft.FAIL and "stock serves, kvstack refuses: no" == detail
+
+
+def test_refusals():
+    assert v({"lmcache": refused()}, refused())[0] == ft.UPSTREAM
+    assert v({"lmcache": refused(), "none": served()}, served())[0] == ft.KVSTACK_ONLY
+    # a kvstack-only connector: refusing at start-up is by design, dying or failing later never is
+    assert v({"none": served()}, refused(), "streaming")[0] == ft.BY_DESIGN
+    assert v({"none": served()}, refused("died"), "streaming")[0] == ft.FAIL
+    assert v({"none": served()}, refused("serving"), "multi")[0] == ft.FAIL
+    # its reference is stock without a connector
+    assert v({"none": served(cached=(0, 0))}, served(cached=(0, 0)), "streaming")[0] == ft.PASS
+    assert v({"none": served()}, served(tokens=[[1], [1]]), "streaming")[0] == ft.FAIL
+
+
+def test_why_is_the_refusals_first_clause():
+    err = ("UnsupportedConfiguration: kvstack StreamingConnector: unsupported configuration:\n"
+           "  - MLA attention is not supported by the windowed path; use the native path")
+    assert ft._why({"error": err}) == "MLA attention is not supported by the windowed path"
+    err = "ValueError: LMCache next to a connector that pages layers (['a.b']) needs one group; x"
+    assert ft._why({"error": err}) == "LMCache next to a connector that pages layers needs one group"
+
+
+def test_render_and_the_doc_section_round_trip():
+    stock = {("llama", "none"): served(), ("llama", "lmcache"): served()}
+    ours = {("llama", c): served() for c in ft.CONNECTORS}
+    ours[("llama", "multi")] = refused()
+    tab = ft.table("9.9", stock, ours)
+    assert [r["model"] for r in tab["rows"]] == ["llama"]
+    text = ft.render(tab)
+    assert text == ft.render(tab) and "refused by design: no" in text and "| dense GQA" in text
+    doc = "# x\n\n" + text + "\ntail\n"
+    assert ft.doc_section("9.9", doc) == text
+    assert ft.doc_section("1.0", doc) is None
+
+
+def test_cells():
+    assert ("llama", "streaming") not in ft.cells("stock")
+    assert ("qwen3next", "multi") in ft.cells("kvstack")
+    assert ft.cells("kvstack", ["llama"]) == [("llama", c) for c in ft.CONNECTORS]
