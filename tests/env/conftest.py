@@ -39,7 +39,8 @@ QWEN3NEXT_ENGINE_TESTS = (
     "tests/env/layout/test_bind_kv_cache.py::test_e2e_",
     "tests/env/layout/test_gpu_check_script.py::test_patched_equals_unpatched_on_the_cpu_engine",
 )
-QWEN3NEXT_BY_NAME = ("tests/env/test_tiny_models.py::", "tests/env/lmcache/test_mp_route.py::")
+QWEN3NEXT_BY_NAME = ("tests/env/test_tiny_models.py::", "tests/env/lmcache/test_mp_route.py::",
+                     "tests/env/server/test_cross_engine_server.py::")
 
 
 def pytest_collection_modifyitems(config, items):
