@@ -109,6 +109,13 @@ PASSED, FAILED, SKIPPED, XFAILED = "passed", "failed", "skipped", "xfailed"
 # vllm was imported from. Nothing here runs unless RESULTS_ENV is set.
 # --------------------------------------------------------------------------------------------
 
+if os.environ.get(RESULTS_ENV) and os.environ.get("KVSTACK_OVERLAY"):
+    # The unpatched rerun: the venv's vLLM with the base's series taken out (kvstack.release.overlay),
+    # installed before the tests' conftest imports vllm.
+    from kvstack.release import overlay as _overlay
+
+    _overlay.install()
+
 _plugin_outcomes: dict[str, dict] = {}
 _RANK = {PASSED: 0, SKIPPED: 1, XFAILED: 1, FAILED: 2}
 
@@ -172,9 +179,12 @@ def pytest_sessionfinish(session, exitstatus) -> None:
             if rec["nodeid"] in _plugin_durations:  # setup + call + teardown, seconds
                 rec = {**rec, "duration": round(_plugin_durations[rec["nodeid"]], 3)}
             f.write(json.dumps(rec) + "\n")
+        overlay_dir = os.environ.get("KVSTACK_OVERLAY")
+        overlaid = sorted(n for n, m in list(sys.modules.items()) if overlay_dir and
+                          str(getattr(m, "__file__", None) or "").startswith(overlay_dir))
         f.write(json.dumps({"meta": True, "exitstatus": int(exitstatus),
                             "vllm_file": getattr(vllm, "__file__", None),
-                            "python": sys.executable}) + "\n")
+                            "python": sys.executable, "overlaid": overlaid}) + "\n")
 
 
 # --------------------------------------------------------------------------------------------
@@ -274,10 +284,17 @@ class Summary:
     log: str = ""
     vllm_file: str = ""
     pytest_exit: int = 0
+    # the patched run's failures rerun with the series taken out: {node id: outcome unpatched};
+    # None when not rerun. A test that passes unpatched and fails patched is a regression.
+    unpatched: dict[str, str] | None = None
+
+    @property
+    def regressions(self) -> list[str]:
+        return sorted(n for n, o in (self.unpatched or {}).items() if o == PASSED)
 
     @property
     def ok(self) -> bool:
-        return not self.new_failures and not self.stale
+        return not self.new_failures and not self.stale and not self.regressions
 
     def text(self) -> str:
         c = self.counts
@@ -294,6 +311,15 @@ class Summary:
             lines.append(f"  NEW FAILURE {rec['nodeid']} ({rec['phase']}): {rec['message']}")
         for entry, why in self.stale:
             lines.append(f"  STALE {entry.pattern} (ledger line {entry.lineno}): {why}")
+        if self.unpatched is not None:
+            by: dict[str, int] = {}
+            for o in self.unpatched.values():
+                by[o] = by.get(o, 0) + 1
+            lines.append(f"  unpatched (series taken out), the {len(self.unpatched)} patched failures: "
+                         + (", ".join(f"{n} {o}" for o, n in sorted(by.items())) or "none")
+                         + f"; {len(self.regressions)} pass unpatched and fail patched")
+            for n in self.regressions:
+                lines.append(f"  REGRESSION {n}: passes without kvstack's patches, fails with them")
         lines.append(f"  vllm imported from {self.vllm_file}")
         lines.append(f"  junit: {self.junit}  log: {self.log}")
         lines.append("upstream tests: " + ("OK" if self.ok else "FAIL"))
@@ -306,7 +332,8 @@ class Summary:
             "new_failures": self.new_failures,
             "stale": [{"entry": e.pattern, "line": e.lineno, "why": w} for e, w in self.stale],
             "wall_s": round(self.wall_s, 1), "vllm_file": self.vllm_file,
-            "pytest_exit": self.pytest_exit,
+            "pytest_exit": self.pytest_exit, "unpatched": self.unpatched,
+            "regressions": self.regressions,
         }
 
 
@@ -490,9 +517,10 @@ def run_suite(paths: list[str] | None = None, *, base: str | None = None,
               timeout: int = DEFAULT_TIMEOUT, ledger_path: Path | None = None,
               work: Path | None = None, extra: list[str] | None = None,
               stream: bool = False, total_timeout: int = DEFAULT_TOTAL_TIMEOUT,
-              out=None) -> Summary:
-    """Stage, run and compare on a base (default: the base in effect); returns the Summary
-    (raises RuntimeError when no result came)."""
+              out=None, unpatched: bool = True) -> Summary:
+    """Stage, run and compare on a base (default: the base in effect); with `unpatched`, rerun the
+    failures with the series taken out (rerun_unpatched). Returns the Summary (raises RuntimeError
+    when no result came)."""
     out = out or sys.stdout
     base = resolve_base(base)
     paths = [p.rstrip("/") for p in (paths or default_paths(base))]
@@ -558,8 +586,62 @@ def run_suite(paths: list[str] | None = None, *, base: str | None = None,
         raise RuntimeError(f"pytest exited {rc} with {len(results)} results (see {log}):\n{tail}")
     summary = summarize(results, ledger, paths, bool(keyword or extra), wall=wall, work=work,
                         vllm_file=vllm_file, pytest_exit=rc, base=base)
+    if unpatched:
+        summary.unpatched = rerun_unpatched(results, base=base, python=python, site=Path(site),
+                                            work=work, timeout=timeout, out=out)
+        write_ledger(work / "patched-vs-unpatched.tsv", results, summary.unpatched)
     (work / "summary.json").write_text(json.dumps(summary.to_json(), indent=1) + "\n")
     return summary
+
+
+def rerun_unpatched(results: list[dict], *, base: str, python: Path, site: Path, work: Path,
+                    timeout: int = DEFAULT_TIMEOUT, out=None) -> dict[str, str]:
+    """Run the patched run's failures again on the same venv with the base's vLLM series taken
+    out (an overlay, kvstack.release.overlay, reversed): {node id: outcome unpatched}. A file
+    that failed to collect patched counts as passed when it collects unpatched. Only failures are
+    rerun: a test that passes patched cannot be a regression. (Test files a patch of the series
+    changes run in their patched form.)"""
+    from kvstack.release import overlay
+    from kvstack.release.pins import load_pin
+
+    out = out or sys.stdout
+    failing = sorted({r["nodeid"] for r in results if r["outcome"] == FAILED})
+    if not failing:
+        return {}
+    odir = work / "unpatched-overlay"
+    overlay.build_overlay(overlay.series_patches(load_pin("vllm", base).series_dir), site, odir,
+                          reverse=True)
+    res_path, log = work / "results-unpatched.jsonl", work / "pytest-unpatched.log"
+    res_path.unlink(missing_ok=True)
+    env = child_env(work, res_path)
+    env["KVSTACK_OVERLAY"] = str(odir)
+    cmd = [str(python), "-m", "pytest", "-p", "no:cacheprovider", "-p", "kvstack.testbed.upstream_tests",
+           f"--timeout={timeout}", f"--basetemp={work / 'tmp-unpatched'}",
+           "--continue-on-collection-errors", "-q", "-rN", "--color=no", *failing]
+    print(f"[upstream-tests] the {len(failing)} failures again without kvstack's vLLM series "
+          f"(overlay {odir}; output in {log})", file=out, flush=True)
+    with open(log, "w") as logf:
+        subprocess.run(cmd, cwd=work, env=env, stdout=logf, stderr=subprocess.STDOUT,
+                       timeout=DEFAULT_TOTAL_TIMEOUT)
+    got, meta = read_results(res_path)
+    if not meta or not meta.get("overlaid"):
+        raise RuntimeError(f"the unpatched rerun did not run on the overlay {odir} (see {log})")
+    outcome = {r["nodeid"]: r["outcome"] for r in got}
+    res = {}
+    for n in failing:
+        if "::" in n:  # a test
+            res[n] = outcome.get(n, "not collected")
+        else:  # a file that failed to collect patched
+            res[n] = FAILED if outcome.get(n) == FAILED else PASSED
+    return res
+
+
+def write_ledger(path: Path, results: list[dict], unpatched: dict[str, str]) -> None:
+    """Every test id with its outcome patched and unpatched ("-": not rerun, it did not fail)."""
+    lines = ["# node id\tpatched\tunpatched (series taken out; only the patched failures are rerun)"]
+    for rec in sorted(results, key=lambda r: r["nodeid"]):
+        lines.append(f"{rec['nodeid']}\t{rec['outcome']}\t{unpatched.get(rec['nodeid'], '-')}")
+    path.write_text("\n".join(lines) + "\n")
 
 
 def summarize(results: list[dict], ledger: list[LedgerEntry], paths: list[str], filtered: bool, *,
@@ -618,6 +700,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="do not run: compare the last run's results with the ledger again "
                              "(after editing the ledger)")
     parser.add_argument("--stream", action="store_true", help="echo pytest's output while it runs")
+    parser.add_argument("--no-unpatched", dest="unpatched", action="store_false",
+                        help="do not rerun the failures with kvstack's vLLM series taken out (by "
+                             "default they are: one that passes there is a REGRESSION; every test "
+                             "id with both outcomes in build/upstream-tests/<base>/patched-vs-unpatched.tsv)")
     parser.add_argument("--pytest-arg", action="append", default=[], metavar="ARG",
                         help="extra pytest argument (repeatable; counts as a filtered run)")
     args = parser.parse_args(argv)
@@ -633,7 +719,7 @@ def main(argv: list[str] | None = None) -> int:
             summary = run_suite(paths, base=args.base, python=args.python, keyword=args.keyword,
                                 timeout=args.timeout, ledger_path=args.ledger,
                                 extra=args.pytest_arg, stream=args.stream,
-                                total_timeout=args.total_timeout)
+                                total_timeout=args.total_timeout, unpatched=args.unpatched)
     except (RuntimeError, FileNotFoundError, ValueError) as exc:
         print(f"[upstream-tests] error: {exc}", file=sys.stderr)
         return 2

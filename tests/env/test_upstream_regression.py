@@ -98,6 +98,24 @@ def test_compare_new_expected_stale():
     assert not LedgerEntry("tests/a.py::t[ab]", "r", 1).matches("tests/a.py::ta")
 
 
+def test_a_failure_that_passes_unpatched_is_a_regression(tmp_path):
+    """The unpatched rerun's verdict (the control of the slow test's regression check)."""
+    from kvstack.testbed.upstream_tests import Summary, write_ledger
+
+    s = Summary(base="x", selection=["tests/a"], filtered=False,
+                unpatched={"tests/a/t.py::ok_upstream": PASSED, "tests/a/t.py::cuda": FAILED,
+                           "tests/a/t_collect.py": PASSED})
+    assert s.regressions == ["tests/a/t.py::ok_upstream", "tests/a/t_collect.py"]
+    assert not s.ok and "REGRESSION tests/a/t.py::ok_upstream" in s.text()
+    assert Summary(base="x", selection=[], filtered=False,
+                   unpatched={"tests/a/t.py::cuda": FAILED}).ok
+    write_ledger(tmp_path / "l.tsv", [{"nodeid": "tests/a/t.py::cuda", "outcome": FAILED},
+                                      {"nodeid": "tests/a/t.py::p", "outcome": PASSED}],
+                 {"tests/a/t.py::cuda": FAILED})
+    assert (tmp_path / "l.tsv").read_text().splitlines()[1:] == [
+        "tests/a/t.py::cuda\tfailed\tfailed", "tests/a/t.py::p\tpassed\t-"]
+
+
 def test_hub_stand_in_is_config_only_and_loads(tmp_path, monkeypatch):
     models = stage_hub(tmp_path / "hf_home")
     assert {"facebook/opt-125m", "Qwen/Qwen3-0.6B", "Qwen/Qwen1.5-7B"} <= set(models)
@@ -126,3 +144,5 @@ def test_upstream_regression(capsys):
     print(summary.text())
     assert summary.counts.get(PASSED, 0) > 0, summary.text()
     assert not summary.new_failures and not summary.stale, summary.text()
+    # never worse than upstream: no test passes with the series taken out and fails with it
+    assert summary.unpatched is not None and not summary.regressions, summary.text()
