@@ -33,10 +33,10 @@ per-process salt), Qwen3-Next with PYTHONHASHSEED=12345, and the `builtin` contr
   96 cached tokens). The LoRA tag is unit-tested only (tests/env/lmcache/test_request_keys.py):
   the tiny models have no adapters.
 
-Both bases: the patch is on both and a `vllm serve` start costs seconds here (the servers of a
-phase start together). On a host where vLLM cannot run Qwen3-Next (0.25.1 on an AMX CPU:
-tiny_models.engine_crash_reason) the hybrid servers are not started and the hybrid case is
-skipped (tests/env/conftest.py).
+The default base only (CI time: about 75 s a base); the other base runs the same keys offline
+(tests/env/lmcache/test_cross_engine_keys.py and test_request_keys.py; the patches are the same code
+on both). On a host where vLLM cannot run Qwen3-Next the hybrid servers are not started and the
+hybrid case is skipped (tests/env/conftest.py).
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ import time
 
 import pytest
 
+from kvtest import on_default_base
 from vllm_server import ROOT, Server
 
 pytest.importorskip("vllm")
@@ -56,7 +57,9 @@ pytest.importorskip("lmcache")
 from kvstack.testbed import tiny_models  # noqa: E402
 from kvstack.testbed.backend_servers import start_or_skip, stop  # noqa: E402
 
-pytestmark = [pytest.mark.env, pytest.mark.slow]
+pytestmark = [pytest.mark.env, pytest.mark.slow,
+              pytest.mark.skipif(not on_default_base(), reason="runs on the default base only "
+                                 "(CI time); this base: test_cross_engine_keys.py, test_request_keys.py")]
 
 CHUNK = 32
 MAX_TOKENS = 8
