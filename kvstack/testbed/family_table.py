@@ -22,7 +22,8 @@ A cell's verdict (``verdict``):
   cell); the first run and the repeat gave stock's greedy tokens (the reference's); its repeat hit at least as many tokens as
   stock's (kvstack-only connectors: the hit is shown; StreamingConnector alone reuses its own
   layers' pages only, so the repeat's prompt is computed again for the other layers);
-- ``refused by upstream``: stock refused it and kvstack refuses too;
+- ``refused by upstream``: stock refused it and kvstack refuses too (for a kvstack-only connector:
+  stock cannot run the model even without a connector);
 - ``kvstack only``: stock refused it, kvstack serves it with the tokens of stock's ``none``;
 - ``refused by design``: a kvstack-only connector refuses the configuration at start-up with its
   reason (stock cannot run it at all);
@@ -269,8 +270,8 @@ def verdict(model: str, connector: str, stock: dict[tuple[str, str], dict],
         return FAIL, f"kvstack failed while {mine.get('phase')}: " + _why(mine)
     ref = stock.get((model, "none" if kvstack_only else connector))
     if ref is None or not ref["served"]:
-        if not mine["served"]:
-            return (BY_DESIGN if kvstack_only else UPSTREAM), _why(mine)
+        if not mine["served"]:  # stock cannot run the model so (kvstack-only: not even without one)
+            return UPSTREAM, _why(mine)
         none = stock.get((model, "none"))
         if none and none["served"] and mine["tokens"][0] == none["tokens"][0]:
             return KVSTACK_ONLY, f"repeat {mine['cached'][1]}/{len(PROMPT)} cached"
@@ -295,7 +296,15 @@ def verdict(model: str, connector: str, stock: dict[tuple[str, str], dict],
     return PASS, detail
 
 
-def table(base: str, stock: dict, ours: dict) -> dict:
+def host_class() -> str:
+    """What of the host changes the table (vLLM's CPU engine picks other kernels and block sizes
+    with AMX): "AMX" or "no AMX"."""
+    from kvstack.testbed.precision import cpu_features
+
+    return "AMX" if cpu_features()["amx"] else "no AMX"
+
+
+def table(base: str, stock: dict, ours: dict, host: str = "") -> dict:
     """The table of one base as data (what is saved and rendered)."""
     rows = []
     for fam in FAMILIES:
@@ -306,7 +315,10 @@ def table(base: str, stock: dict, ours: dict) -> dict:
             v, d = verdict(fam.model, c, stock, ours)
             row["cells"][c] = {"verdict": v, "detail": d}
         rows.append(row)
-    return {"base": base, "rows": rows}
+    # the raw results too (tokens, hits, groups, errors): what a FAIL is read from
+    return {"base": base, "host": host, "rows": rows,
+            "runs": {side: [{**r, "model": m, "connector": c} for (m, c), r in sorted(res.items())]
+                     for side, res in (("stock", stock), ("kvstack", ours))}}
 
 
 HEADERS = {"none": "no connector", "lmcache": "LMCacheConnectorV1", "streaming": "StreamingConnector",
@@ -315,7 +327,8 @@ HEADERS = {"none": "no connector", "lmcache": "LMCacheConnectorV1", "streaming":
 
 def render(tab: dict) -> str:
     """Markdown of one base's table (deterministic: no timings)."""
-    out = [f"<!-- family-table base {tab['base']} -->", f"### Base {tab['base']}", "",
+    host = f", CPU engine, {tab['host']}" if tab.get("host") else ""
+    out = [f"<!-- family-table base {tab['base']} -->", f"### Base {tab['base']}{host}", "",
            "| family (tiny model) | " + " | ".join(HEADERS[c] for c in CONNECTORS) + " |",
            "|---|" + "---|" * len(CONNECTORS)]
     for row in tab["rows"]:

@@ -29,16 +29,18 @@ pytestmark = pytest.mark.env
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Both sides' results for every cell: ({cell: result} stock, {cell: result} kvstack)."""
-    from kvstack.testbed.tiny_models import make_model
+    from kvstack.testbed.tiny_models import engine_crash_reason, make_model
 
     tmp = tmp_path_factory.mktemp("family")
     models = tmp / "models"
-    for fam in ft.FAMILIES:
-        make_model(fam.model, models / fam.model)
+    # a model vLLM's CPU engine cannot run on this host at all (stock or not) is left out
+    runnable = [f.model for f in ft.FAMILIES if engine_crash_reason(f.model) is None]
+    for model in runnable:
+        make_model(model, models / model)
     stock_dir = ft.build_stock_overlay(tmp / "stock-overlay")
     log = tmp / "engines.log"
-    stock = ft.run_side("stock", ft.cells("stock"), models, overlay_dir=stock_dir, log=log)
-    ours = ft.run_side("kvstack", ft.cells("kvstack"), models, overlay_dir=None, log=log)
+    stock = ft.run_side("stock", ft.cells("stock", runnable), models, overlay_dir=stock_dir, log=log)
+    ours = ft.run_side("kvstack", ft.cells("kvstack", runnable), models, overlay_dir=None, log=log)
     return stock, ours
 
 
@@ -47,7 +49,7 @@ def table(runs):
     from kvstack.release.pins import default_base
 
     base = os.environ.get("KVSTACK_BASE") or default_base()
-    tab = ft.table(base, *runs)
+    tab = ft.table(base, *runs, host=ft.host_class())
     ft.OUT_DIR.mkdir(parents=True, exist_ok=True)
     (ft.OUT_DIR / f"{base}.json").write_text(json.dumps(tab, indent=1) + "\n")
     (ft.OUT_DIR / f"{base}.md").write_text(ft.render(tab))
@@ -57,7 +59,11 @@ def table(runs):
 
 @pytest.mark.parametrize("cell", [f"{m}-{c}" for m, c in ft.cells("kvstack")])
 def test_cell(cell, table):
+    from kvstack.testbed.tiny_models import engine_crash_reason
+
     model, connector = cell.rsplit("-", 1)
+    if engine_crash_reason(model):
+        pytest.skip(engine_crash_reason(model))
     row = next(r for r in table["rows"] if r["model"] == model)
     got = row["cells"][connector]
     assert got["verdict"] != ft.FAIL, f"{row['family']} with {ft.HEADERS[connector]}: {got['detail']}"
@@ -82,6 +88,11 @@ def test_the_stock_side_ran_stock(runs):
 def test_the_docs_hold_this_run(table):
     rendered = ft.render(table)
     committed = ft.doc_section(table["base"])
+    if committed is not None and f"CPU engine, {table['host']}\n" not in committed:
+        # vLLM's CPU engine takes other kernels and block sizes with AMX: the committed table is
+        # another host class's (the cells' verdicts above are this host's, and must not FAIL)
+        pytest.skip(f"docs/family-table.md holds base {table['base']}'s table of another host class "
+                    f"than this one ({table['host']}); this run's:\n{rendered}")
     assert committed == rendered, (
         f"{ft.DOC.relative_to(ft.REPO)} does not hold this run's table for base {table['base']}: "
         "run `python -m kvstack.testbed.family_table publish` and commit it.\nThis run:\n" + rendered)

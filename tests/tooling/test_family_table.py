@@ -42,6 +42,7 @@ def test_refusals():
     assert v({"lmcache": refused(), "none": served()}, served())[0] == ft.KVSTACK_ONLY
     # a kvstack-only connector: refusing at start-up is by design, dying or failing later never is
     assert v({"none": served()}, refused(), "streaming")[0] == ft.BY_DESIGN
+    assert v({"none": refused()}, refused(), "streaming")[0] == ft.UPSTREAM  # not the model at all
     assert v({"none": served()}, refused("died"), "streaming")[0] == ft.FAIL
     assert v({"none": served()}, refused("serving"), "multi")[0] == ft.FAIL
     # its reference is stock without a connector
