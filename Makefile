@@ -32,7 +32,8 @@ demo: env ## THE MAIN JOB: fetch + verify + patch + build the CPU env, then kvst
 # README are the default base's). Every base runs, then the first failure is reported.
 DEFAULT_BASE_TESTS ?= tests --ignore=tests/env/test_image_install.py
 OTHER_BASE_TESTS ?= tests/env --ignore=tests/env/test_image_build.py \
-  --ignore=tests/env/streaming/test_bench_streaming.py --ignore=tests/env/lmcache/test_bench_hybrid_repeat.py
+  --ignore=tests/env/streaming/test_bench_streaming.py --ignore=tests/env/lmcache/test_bench_hybrid_repeat.py \
+  --ignore=tests/env/test_bench_overhead.py
 test: matrix-apply ## THE TESTS: both bases (apply matrix, tooling, patch, engine tests, upstream's suite); what .ci/run runs
 	@rc=0; \
 	$(MAKE) --no-print-directory test-base BASE=$(DEFAULT_BASE) TESTS="$(DEFAULT_BASE_TESTS)" || rc=$$?; \
