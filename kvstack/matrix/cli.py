@@ -85,6 +85,9 @@ exit codes:
     parser.add_argument("--from-base", help="with --propose-base: whose series (default: the newest base)")
     parser.add_argument("--write", action="store_true",
                         help="with --propose-base: write bases/<new>/*.env and the ci/matrix.toml lines")
+    parser.add_argument("--rerender", type=Path, metavar="MATRIX_JSON",
+                        help="run nothing: write REPORT.md's section, matrix.html (and matrix.png) again "
+                        "from a matrix.json (with --publish: ci/matrix.json into ci/)")
     args = parser.parse_args(argv)
     root = args.root.resolve()
     args.config = args.config or root / "ci" / "matrix.toml"
@@ -94,6 +97,8 @@ exit codes:
         parser.error("--write and --from-base go with --propose-base")
     if args.propose_base:
         return _propose(args, root)
+    if args.rerender:
+        return _rerender(args, root)
 
     try:
         config = load_config(args.config, root)
@@ -142,9 +147,10 @@ exit codes:
     out = root / "ci" if args.publish else args.out
     out.mkdir(parents=True, exist_ok=True)
     shown = ["python3 ci/run_matrix.py", *(argv if argv is not None else sys.argv[1:])]
-    command = " ".join(shown)
+    doc["command"] = " ".join(shown)
+    doc["commit"] = _commit(root)
     (out / "matrix.json").write_text(public_json(doc))
-    update_report(out / "REPORT.md", render_markdown(doc, command))
+    update_report(out / "REPORT.md", render_markdown(doc))
     (out / "matrix.html").write_text(render_html(doc), encoding="utf-8")
     written = ["REPORT.md", "matrix.json", "matrix.html"]
     if not args.no_png and render_png(doc, out / "matrix.png"):
@@ -155,6 +161,37 @@ exit codes:
     except BrokenPipeError:  # e.g. piped into head
         sys.stderr.close()
     return exit_code(doc)
+
+
+def _commit(root: Path) -> str:
+    """The checkout's commit (short), "+changes" when its tree differs; "" outside git."""
+    import subprocess
+
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"],
+                              capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return ""
+    return head + ("+changes" if dirty else "")
+
+
+def _rerender(args, root: Path) -> int:
+    """REPORT.md's section and the pictures again from a matrix.json: what CI checks the committed
+    ci/REPORT.md against (tests/tooling/test_matrix.py)."""
+    import json
+
+    doc = json.loads(args.rerender.read_text())
+    out = root / "ci" if args.publish else args.out
+    out.mkdir(parents=True, exist_ok=True)
+    update_report(out / "REPORT.md", render_markdown(doc))
+    (out / "matrix.html").write_text(render_html(doc), encoding="utf-8")
+    written = ["REPORT.md", "matrix.html"]
+    if not args.no_png and render_png(doc, out / "matrix.png"):
+        written.append("matrix.png")
+    log(f"wrote {', '.join(str(out / w) for w in written)} from {args.rerender}")
+    return 0
 
 
 def _propose(args, root: Path) -> int:

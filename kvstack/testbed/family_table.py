@@ -72,6 +72,7 @@ FAMILIES = (
     Family("sliding window + full (Gemma-2)", "gemma2", r"layers\.1\."),
     # vLLM turns the hybrid manager off for chunked-local attention unless this variable is set;
     # with it, the model has chunked-local + full groups (what kvstack once refused with LMCache)
+    Family("sliding window 5:1 (Gemma-3)", "gemma3", r"layers\.5\."),
     Family("chunked local + MoE (Llama-4)", "llama4", r"layers\.3\.",
            (("VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE", "1"),)),
     Family("MLA (DeepSeek-V2)", "deepseek_v2", r"layers\.1\."),

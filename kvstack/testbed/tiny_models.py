@@ -5,25 +5,29 @@ engine runs are written here: a `transformers` config, random weights from a fix
 `save_pretrained(safe_serialization=True)`, and a byte-level BPE tokenizer trained with the
 `tokenizers` package on a short built-in text. The same call writes the same bytes.
 
-Three models, each small enough to load and generate in a few seconds on two CPU cores:
+Four models (MODEL_NAMES), each small enough to load and generate in a few seconds on two CPU cores:
 
 - ``llama``: LlamaForCausalLM, the plain full-attention case.
 - ``llama4``: Llama4ForCausalLM text-only with iRoPE: layers 0-2 use chunked local attention
   (chunk 32), layer 3 is a NoPE global layer; two experts.
 - ``qwen3next``: Qwen3NextForCausalLM, hybrid gated delta-net (linear attention) + full attention.
+- ``gemma2``: Gemma2ForCausalLM, sliding window (64) and full attention alternating.
 
 Made on request only (in MODELS, not in MODEL_NAMES: not written by default, nor run by the demo or
 tests/env/test_tiny_models.py):
 
 - ``deepseek_v2``: DeepseekV2ForCausalLM, MLA: a 576-wide latent KV cache with one "head" per
   token (kv_lora_rank 512 + rope 64, the one size vLLM 0.32's CPU MLA kernels take), 2 dense
-  layers; for the MLA tests (tests/env/lmcache/test_mla_lmcache.py). vLLM 0.25.1's CPU engine
-  refuses MLA models.
+  layers; for the MLA tests (tests/env/lmcache/test_mla_lmcache.py) and the family table
+  (kvstack.testbed.family_table). vLLM 0.25.1's CPU engine refuses MLA models.
+- ``gemma3``: Gemma3ForCausalLM text-only, 5 sliding-window layers : 1 global (the family table).
+- ``gpt_oss``: GptOssForCausalLM, sliding window + full attention with sinks, 2 experts (to
+  reproduce what docs/family-table.md says of gpt-oss with LMCache on the CPU engine).
 
 `llm_kwargs(name, model_dir)` gives the vLLM ``LLM(...)`` arguments each model needs on the CPU
 engine, so tests and the demo start engines the same way.
 
-    kvstack tiny-models --out build/tiny-models [llama llama4 qwen3next]
+    kvstack tiny-models --out build/tiny-models [llama llama4 qwen3next gemma2 ...]
 """
 
 from __future__ import annotations
@@ -232,6 +236,49 @@ MODELS: dict[str, TinyModel] = {
         engine=dict(dtype="bfloat16"),  # block size: vLLM's CPU platform sets it for MLA (16; AMX: 128)
         summary="DeepSeek-V2 (MLA), 2 dense layers: 576-wide latent KV (kv_lora_rank 512 + rope 64)",
     ),
+    # Not in MODEL_NAMES either: Gemma-3 is a family of the family table (kvstack.testbed.family_table);
+    # gpt-oss is not (docs/family-table.md says why: with LMCache its CPU output varies run to run,
+    # on stock too), it is here to reproduce that.
+    "gemma3": TinyModel(
+        name="gemma3",
+        architecture="Gemma3ForCausalLM",
+        config_class="Gemma3TextConfig",
+        config=dict(
+            _COMMON,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=6,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            tie_word_embeddings=True,
+            query_pre_attn_scalar=32,
+            sliding_window=64,
+            layer_types=["sliding_attention"] * 5 + ["full_attention"],  # Gemma-3's 5 local : 1 global
+        ),
+        engine=dict(block_size=32, dtype="bfloat16"),
+        summary="Gemma-3 text, 6 layers: 5 sliding-window (64) : 1 global, QK-norm",
+    ),
+    "gpt_oss": TinyModel(
+        name="gpt_oss",
+        architecture="GptOssForCausalLM",
+        config_class="GptOssConfig",
+        config=dict(
+            _COMMON,
+            hidden_size=64,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            num_local_experts=2,
+            num_experts_per_tok=1,
+            sliding_window=64,
+            layer_types=["sliding_attention", "full_attention"],  # alternating, with sinks
+        ),
+        engine=dict(block_size=32, dtype="bfloat16"),
+        summary="gpt-oss, 2 layers: sliding window (64) and full attention with sinks, 2 experts",
+    ),
 }
 
 
@@ -332,7 +379,7 @@ def _spec(name: str) -> TinyModel:
     try:
         return MODELS[name]
     except KeyError:
-        raise ValueError(f"unknown tiny model {name!r}; choose one of {', '.join(MODEL_NAMES)}") from None
+        raise ValueError(f"unknown tiny model {name!r}; choose one of {', '.join(MODELS)}") from None
 
 
 def _sha256(path: Path) -> str:
@@ -498,8 +545,9 @@ def main(argv: list[str] | None = None) -> int:
                     "tokenizer) into OUT/NAME. Deterministic: the same call writes the same bytes; "
                     "a folder that already holds the same model is kept.",
     )
-    parser.add_argument("names", nargs="*", metavar="NAME", help=f"models to write (default: all of "
-                        f"{', '.join(MODEL_NAMES)})")
+    parser.add_argument("names", nargs="*", metavar="NAME", help=f"models to write (default: "
+                        f"{', '.join(MODEL_NAMES)}; also: "
+                        f"{', '.join(n for n in MODELS if n not in MODEL_NAMES)})")
     parser.add_argument("--out", default=str(DEFAULT_OUT), help="parent folder (default: %(default)s)")
     parser.add_argument("--force", action="store_true", help="rewrite even if up to date")
     parser.add_argument("--print-engine-args", action="store_true",
@@ -508,7 +556,7 @@ def main(argv: list[str] | None = None) -> int:
     names = args.names or list(MODEL_NAMES)
     unknown = [n for n in names if n not in MODELS]
     if unknown:
-        parser.error(f"unknown model(s) {', '.join(unknown)}; choose from {', '.join(MODEL_NAMES)}")
+        parser.error(f"unknown model(s) {', '.join(unknown)}; choose from {', '.join(MODELS)}")
     written = make_models(args.out, names, force=args.force, report=print)
     if args.print_engine_args:
         for name, path in written.items():

@@ -765,3 +765,32 @@ def test_a_cell_whose_tests_all_skipped_is_skipped_not_pass(fake_repo, tmp_path)
     unit = doc["results"]["unit"]["stack"]["0.1.0/1.0.0"]
     assert unit["state"] == M.S_SKIPPED, unit
     assert M.S_SKIPPED in M.STATES and M.S_SKIPPED in M.COLORS and M.S_SKIPPED in M.MD_MARK
+
+
+def test_the_committed_report_is_the_generators_output_of_the_committed_json():
+    """ci/REPORT.md's generated section is render_markdown(ci/matrix.json): never edited by hand
+    (`python3 ci/run_matrix.py --publish --results ...` writes both; `--rerender ci/matrix.json
+    --publish` writes the report again from the JSON). It names the commit and date it came from."""
+    from kvstack.matrix.render.markdown import REPORT_BEGIN, REPORT_END, render_markdown
+
+    doc = json.loads((REPO / "ci" / "matrix.json").read_text())
+    text = (REPO / "ci" / "REPORT.md").read_text()
+    committed = REPORT_BEGIN + text.split(REPORT_BEGIN, 1)[1].split(REPORT_END, 1)[0] + REPORT_END
+    assert committed.strip() == render_markdown(doc).strip(), (
+        "ci/REPORT.md differs from the rendering of ci/matrix.json: run `python3 ci/run_matrix.py "
+        "--rerender ci/matrix.json --publish` (or `make matrix`) and commit both")
+    assert doc.get("commit") and doc.get("generated") and doc.get("command")
+    assert f"at commit `{doc['commit']}`" in committed and doc["generated"] in committed
+
+
+def test_rerender_writes_the_report_from_a_json(tmp_path):
+    doc = json.loads((REPO / "ci" / "matrix.json").read_text())
+    doc.update(commit="abc123", command="python3 ci/run_matrix.py --publish")
+    (tmp_path / "m.json").write_text(json.dumps(doc))
+    res = subprocess.run([sys.executable, "ci/run_matrix.py", "--rerender", str(tmp_path / "m.json"),
+                          "--out", str(tmp_path / "out"), "--no-png"], cwd=REPO, capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    report = (tmp_path / "out" / "REPORT.md").read_text()
+    assert "at commit `abc123` by `python3 ci/run_matrix.py --publish`" in report
+    assert (tmp_path / "out" / "matrix.html").is_file()

@@ -16,8 +16,12 @@ def _md_escape(text: str) -> str:
 
 
 def render_markdown(doc: dict, command: str = "") -> str:
+    """The section between the markers, from the matrix document alone (its command and commit
+    included), so a committed matrix.json renders to the committed REPORT.md."""
+    command = command or doc.get("command", "")
     out = [REPORT_BEGIN, ""]
     out.append(f"Generated {doc['generated']} in {doc.get('seconds', '?')} s"
+               + (f" at commit `{doc['commit']}`" if doc.get("commit") else "")
                + (f" by `{command}`" if command else "") + ".")
     bases = ", ".join(info["label"] + (" (default)" if info.get("default") else "") for info in doc["bases"].values())
     out.append(f"Bases: {bases}. Suites: {', '.join(doc['suites'])}. "
