@@ -46,6 +46,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from kvstack.testbed.engine import failure_reason  # noqa: E402
+
 ROUTES = ("recompute", "vllm-cache", "lmcache-inproc", "lmcache-mp", "lmcache+vllm")
 CHECK_TOKENS = 8
 REPEATS = 3  # timed repeats in the same engine (routes 1, 2, 5): the median is reported
@@ -163,18 +165,6 @@ def _measure(args, llm, SamplingParams) -> None:
 # Driver
 # ------------------------------------------------------------------------------------------
 
-def _why(text: str) -> str:
-    """The line of an engine's output that says why it failed."""
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    for ln in reversed(lines):
-        if ln.startswith("{") and '"error"' in ln:
-            return json.loads(ln)["error"]
-    for ln in reversed(lines):
-        if "Error" in ln or "error" in ln:
-            return ln[-300:]
-    return lines[-1][-300:] if lines else "no output"
-
-
 def main() -> int:
     from kvstack.testbed.backend_servers import free_port, running
 
@@ -225,13 +215,13 @@ def main() -> int:
         except subprocess.TimeoutExpired as exc:
             tail = ((exc.stdout or b"").decode(errors="replace") + "\n" + (exc.stderr or b"").decode(errors="replace"))
             (work / f"{role}.log").write_text(tail[-20000:])
-            raise RuntimeError(f"engine {role} did not finish in {args.engine_timeout} s: {_why(tail)}")
+            raise RuntimeError(f"engine {role} did not finish in {args.engine_timeout} s: {failure_reason(tail)}")
         lines = [ln for ln in res.stdout.splitlines() if ln.startswith("{")]
         out = json.loads(lines[-1]) if lines else {}
         if res.returncode != 0 or "error" in out or not out:
             tail = (res.stdout + "\n" + res.stderr)[-20000:]
             (work / f"{role}.log").write_text(tail)
-            raise RuntimeError(out.get("error") or f"engine {role} exited {res.returncode}: {_why(tail)}")
+            raise RuntimeError(out.get("error") or f"engine {role} exited {res.returncode}: {failure_reason(tail)}")
         return out
 
     results: dict[str, dict] = {}

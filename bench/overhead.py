@@ -66,6 +66,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from kvstack.testbed.engine import failure_reason  # noqa: E402
+
 CONFIGS = ("none", "lmcache")
 SIDES = ("stock", "kvstack")
 CHECK_TOKENS = 8
@@ -180,18 +182,6 @@ def _measure(args, llm, SamplingParams, res: dict) -> None:
 # Driver
 # ------------------------------------------------------------------------------------------
 
-def _why(text: str) -> str:
-    """The line of an engine's output that says why it failed."""
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    for ln in reversed(lines):
-        if ln.startswith("{") and '"error"' in ln:
-            return json.loads(ln)["error"]
-    for ln in reversed(lines):
-        if "Error" in ln or "error" in ln:
-            return ln[-300:]
-    return lines[-1][-300:] if lines else "no output"
-
-
 def short_host() -> str:
     """The CPU in one word (no spaces: the RESULT line splits on them)."""
     from kvstack.testbed.precision import cpu_features
@@ -264,12 +254,12 @@ def main() -> int:
             text = ((exc.stdout or b"").decode(errors="replace") + "\n"
                     + (exc.stderr or b"").decode(errors="replace"))
             log.write_text(text[-50000:])
-            return {"error": f"did not finish in {args.engine_timeout:.0f} s: {_why(text)} (log {log})"}
+            return {"error": f"did not finish in {args.engine_timeout:.0f} s: {failure_reason(text)} (log {log})"}
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
         out = json.loads(lines[-1]) if lines else {}
         if rc != 0 or "error" in out or not out:
             log.write_text(text[-50000:])
-            return {"error": f"{out.get('error') or f'exited {rc}: {_why(text)}'} (log {log})"}
+            return {"error": f"{out.get('error') or f'exited {rc}: {failure_reason(text)}'} (log {log})"}
         if side == "stock" and not out.get("overlaid_modules"):
             return {"error": "the stock side imported no module from the stock overlay"}
         return out

@@ -24,6 +24,21 @@ def shutdown_llm(llm) -> None:
     cleanup_dist_env_and_memory()
 
 
+def failure_reason(output: str) -> str:
+    """The line of an engine process's output that says why it failed: its JSON `{"error": ...}`
+    line (what the benches' engine processes print), else the last line naming an error."""
+    import json
+
+    lines = [ln.strip() for ln in output.splitlines() if ln.strip()]
+    for ln in reversed(lines):
+        if ln.startswith("{") and '"error"' in ln:
+            return json.loads(ln)["error"]
+    for ln in reversed(lines):
+        if "Error" in ln or "error" in ln:
+            return ln[-300:]
+    return lines[-1][-300:] if lines else "no output"
+
+
 @contextlib.contextmanager
 def track_peak_device_blocks(llm):
     """Within the block, the peak number of device KV cache blocks in use after each scheduler

@@ -131,11 +131,10 @@ def kv_transfer(connector: str, fam: Family) -> dict | None:
 
 
 def _run_cell(model: str, connector: str, models_dir: Path) -> dict:
-    import gc
-
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
+    from kvstack.testbed.engine import shutdown_llm
     from kvstack.testbed.tiny_models import llm_kwargs
 
     fam = family(model)
@@ -167,12 +166,8 @@ def _run_cell(model: str, connector: str, models_dir: Path) -> dict:
            # which LMCacheConnectorV1 ran: stock's does not support the hybrid manager
            "lmcache_supports_hma": issubclass(LMCacheConnectorV1, SupportsHMA),
            "seconds": round(time.monotonic() - start, 1)}
-    llm.llm_engine.engine_core.shutdown()
-    del llm, core
-    gc.collect()
-    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-
-    cleanup_dist_env_and_memory()
+    del core
+    shutdown_llm(llm)
     # LMCache keeps its engine in a process-wide registry that the connector's shutdown leaves
     # alone: the next cell's connector would get this one (another model's layout, its chunks).
     engines = sys.modules.get("lmcache.v1.cache_engine")
