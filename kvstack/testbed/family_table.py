@@ -190,10 +190,11 @@ def runner_main(argv: list[str]) -> int:
     apply_engine_env()
     for k, v in LMCACHE_ENV.items():
         os.environ.setdefault(k, v)
+    base_env = dict(os.environ)
     for cell in args.cells:
         model, connector = cell.split(":")
-        for k, v in family(model).env:
-            os.environ[k] = v
+        os.environ.clear()
+        os.environ.update(base_env, **dict(family(model).env))  # this family's variables only
         try:
             res = _run_cell(model, connector, args.models_dir)
         except Exception as exc:  # a refusal: say it, then end (the engine may have left state)
