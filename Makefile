@@ -45,7 +45,7 @@ test: matrix-apply ## THE TESTS: both bases (apply matrix, tooling, patch, engin
 TESTS ?= tests
 test-base: env ## the tests of one base (BASE=, TESTS=); junit in build/junit/tests-<base>.xml
 	@echo "== kvstack tests on base $(BASE) ($(VENV)): $(TESTS)"
-	$(PY) -m pytest $(TESTS) -q -p no:cacheprovider --timeout=1200 --junitxml=build/junit/tests-$(BASE).xml
+	$(PY) -m pytest $(TESTS) -q -p no:cacheprovider --timeout=1200 --durations=30 --junitxml=build/junit/tests-$(BASE).xml
 
 matrix-apply: ## the cheap pass of the regression matrix: does each patch apply to each listed release?
 	python3 ci/run_matrix.py --suites apply --no-png --out build/matrix
