@@ -10,7 +10,9 @@ layer, the one the connector streams) is run twice, each side in its own process
 On a GPU (`--device cuda`, the default) both sides run with vLLM's DEFAULT compilation and CUDA
 graph settings: no enforce_eager, no compilation or cudagraph overrides (the connector declares
 `requires_piecewise_for_cudagraph`, so vLLM itself turns FULL_AND_PIECEWISE into PIECEWISE).
-The compilation mode and cudagraph mode each side ran with are printed.
+The compilation mode and cudagraph mode each side ran with are printed. On a GPU every side runs with
+async scheduling off and the V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0): the connector refuses
+both at start-up (not shown exact with streaming layers), and vLLM picks both on a GPU by default.
 
 Cases (greedy, `--max-tokens` tokens, top `--logprobs` logprobs per generated token):
   mixed    several prompts of mixed lengths in one batch (some longer than the device budget)
@@ -199,6 +201,9 @@ def control_prompt(long: list[int], pos: int) -> list[int]:
 
 def _engine_env(device: str) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process: the connector can be read
+    # The connector refuses the V2 model runner (not shown exact with streaming layers; vLLM picks
+    # it on a GPU): every side runs the V1 runner, so both sides are the same engine.
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if device == "cpu":
@@ -293,6 +298,9 @@ def child(plan_file: Path, side: str, out: Path) -> None:
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(map(str, cpus))
     if device != "cpu":
         kw.pop("enforce_eager")  # vLLM's defaults: torch.compile + CUDA graphs, as users run it
+        # but async scheduling off, on every side: the connector refuses it (not shown exact with
+        # streaming layers; vLLM turns it on on a GPU, its CPU engine turns it off itself)
+        kw["async_scheduling"] = False
         if plan.get("gpu_memory_utilization"):
             kw["gpu_memory_utilization"] = plan["gpu_memory_utilization"]
     if side.startswith("streaming"):

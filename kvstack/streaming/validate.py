@@ -7,7 +7,10 @@ Two stages, both before the first request:
   collected (``get_kv_paging_window``, in every worker) and when each side of the connector is
   built. Refused: vLLM's prefix caching, the hybrid KV cache manager switched off, decode /
   prefill context parallelism, speculative decoding, MLA models, a quantized KV cache dtype
-  (fp8 ...), the attention + quantization fusion pass (quantized attention output), and any CUDA
+  (fp8 ...), the attention + quantization fusion pass (quantized attention output), dual-batch
+  overlap / micro-batching (``enable_dbo``, ``ubatch_size``), async scheduling, the V2 model
+  runner, an attention backend requested (``attention_config.backend``) outside the allow-list of
+  this vLLM base (`ATTENTION_BACKENDS`), and any CUDA
   graph mode that would capture the attention of a streaming layer (full graphs, or piecewise
   graphs whose pieces do not split at attention). ``StreamingConnector`` declares
   ``requires_piecewise_for_cudagraph``, so vLLM turns its GPU default FULL_AND_PIECEWISE into
@@ -19,7 +22,10 @@ Two stages, both before the first request:
   tier (``host_tier_path``), which every rank would map at once.
 - `check_layers(vllm_config, layout)`: the loaded model's attention layers (worker side, when
   the KV caches are registered). Refused: a streaming layer that reads another layer's KV cache
-  (KV sharing), an attention type other than decoder self-attention, and a layer the
+  (KV sharing), an attention type other than decoder self-attention, a layer class other than
+  vLLM's ``Attention``, a native sliding-window layer in a streaming group, a streaming layer
+  whose backend class is not the registered class of an allowed backend (FlashInfer, MLA,
+  FlexAttention, wrapped or unknown backends: the backend vLLM actually chose), and a layer the
   configuration selects for streaming that vLLM did not give a streaming KV spec (it would be
   attended by the backend over a one-token window). Logits soft-cap, attention sinks and ALiBi
   are implemented by the windowed path (`windowed.Features`), so they are read here, not refused.
@@ -40,6 +46,89 @@ if TYPE_CHECKING:
     from .layout import _Layout
 
 PREFIX = "kvstack StreamingConnector: "
+
+# The attention backends a streaming layer is known exact with, per vLLM base (major, minor), by
+# vLLM's names (``AttentionBackendEnum``; the layer's backend must be the class registered under
+# the name, not a wrapper of it). What the connector needs from a backend: metadata with
+# ``query_start_loc`` and ``slot_mapping`` (worker_side._batch finds each request's rows by them)
+# and an impl whose ``scale``, ``logits_soft_cap``, ``alibi_slopes`` and ``sinks`` are all it adds
+# to softmax attention (windowed.Features). CPU_ATTN: both paths tested against native on the CPU
+# engine (in place and windowed). FLASH_ATTN, TRITON_ATTN: the same metadata fields and impl
+# attributes on both bases, attended by the windowed path (the GPU path, tested exact on the CPU
+# engine; ci/gpu/check_streaming.py is its GPU check). Not allowed: FLASHINFER (its metadata has
+# no ``query_start_loc``), the MLA backends (latent KV), FLEX_ATTENTION (block masks, not
+# checked), every other name, and every base without an entry here.
+ATTENTION_BACKENDS: dict[tuple[int, int], frozenset[str]] = {
+    (0, 25): frozenset({"CPU_ATTN", "FLASH_ATTN", "TRITON_ATTN"}),
+    (0, 32): frozenset({"CPU_ATTN", "FLASH_ATTN", "TRITON_ATTN"}),
+}
+_BACKEND_OPTION = ("choose an allowed one with --attention-backend "
+                   "(attention_config={'backend': ...})")
+
+
+def _base() -> tuple[int, int]:
+    import vllm
+
+    major, minor = (vllm.__version__.split(".") + ["0", "0"])[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+
+
+def allowed_backends() -> frozenset[str]:
+    """The attention backends streaming layers may run on with this vLLM (empty: none)."""
+    return ATTENTION_BACKENDS.get(_base(), frozenset())
+
+
+def _allowed_text() -> str:
+    allowed = allowed_backends()
+    base = ".".join(map(str, _base()))
+    if not allowed:
+        return f"vLLM {base} has no allow-list of attention backends for streaming layers"
+    return f"allowed on vLLM {base}: {', '.join(sorted(allowed))}"
+
+
+def _requested_backend(vllm_config: "VllmConfig") -> tuple[str, str] | None:
+    """(backend name, option) the configuration requests for full-attention layers (streaming
+    layers are full attention to vLLM's backend selector), or None (vLLM chooses)."""
+    attn = getattr(vllm_config, "attention_config", None)
+    if attn is None:
+        return None
+    per_kind = getattr(attn, "backend_per_kind", None) or {}  # vLLM 0.32
+    chosen = per_kind.get("full_attention")
+    if chosen is not None:
+        return getattr(chosen, "name", str(chosen)), "attention_config.backend_per_kind"
+    chosen = getattr(attn, "backend", None)
+    if chosen is not None:
+        return getattr(chosen, "name", str(chosen)), "--attention-backend"
+    return None
+
+
+def _why(name: str | None) -> str:
+    return {"FLASHINFER": " (its attention metadata has no query_start_loc, by which the "
+                          "connector finds each request's rows)"}.get(name or "", "")
+
+
+def backend_problem(backend: Any) -> str | None:
+    """Why a streaming layer cannot run on attention backend class `backend`, or None."""
+    try:
+        name = backend.get_name()
+    except Exception:  # noqa: BLE001 - no name: unknown
+        name = None
+    if name not in allowed_backends():
+        shown = name or getattr(backend, "__name__", None) or "(unknown)"
+        return (f"attention backend {shown}{_why(name)} is not one streaming layers are known "
+                f"exact with ({_allowed_text()}); {_BACKEND_OPTION}")
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    try:
+        path = AttentionBackendEnum[name].get_path()
+    except (KeyError, ValueError):
+        path = None
+    own = f"{getattr(backend, '__module__', '?')}.{getattr(backend, '__qualname__', '?')}"
+    if own != path:
+        return (f"attention backend {own} calls itself {name} but is not vLLM's registered "
+                f"{name} class ({path}): a wrapped or unknown backend is not known exact; "
+                f"{_BACKEND_OPTION}")
+    return None
 
 
 class UnsupportedConfiguration(ValueError):
@@ -91,6 +180,30 @@ def engine_problems(vllm_config: "VllmConfig") -> list[str]:
             problems.append("the shared tier ('lmcache' key) next to other connectors "
                             "(MultiConnector): with LMCacheConnectorV1 beside it, two LMCache "
                             "engines would share one process; drop one of them")
+    if getattr(par, "enable_dbo", False) or (getattr(par, "ubatch_size", 0) or 0) > 1:
+        problems.append(
+            f"dual-batch overlap / micro-batching (enable_dbo={getattr(par, 'enable_dbo', False)}"
+            f", ubatch_size={getattr(par, 'ubatch_size', 0)}) runs each layer once per "
+            "micro-batch, with its own attention metadata, where the connector computes a "
+            "streaming layer once per step for the whole batch; drop --enable-dbo and "
+            "--ubatch-size (enable_dbo=False, ubatch_size=0)")
+    if getattr(vllm_config.scheduler_config, "async_scheduling", False):
+        problems.append(
+            "async scheduling (scheduler_config.async_scheduling=True) is not shown exact with "
+            "streaming layers (the next step is scheduled, and its host pages planned, before "
+            "this one's tokens are known); pass --no-async-scheduling (async_scheduling=False). "
+            "vLLM's CPU engine turns it off itself; on a GPU vLLM turns it on unless told not to")
+    if getattr(vllm_config, "use_v2_model_runner", False):
+        problems.append(
+            "the V2 model runner is not shown exact with streaming layers (its own input "
+            "batches and attention metadata); set VLLM_USE_V2_MODEL_RUNNER=0 and drop what "
+            "forces it (vLLM 0.32: watermarking, HiSparse)")
+    requested = _requested_backend(vllm_config)
+    if requested is not None and requested[0] not in allowed_backends():
+        name, option = requested
+        problems.append(f"{option}={name}{_why(name)}: not an attention backend streaming "
+                        f"layers are known exact with ({_allowed_text()}); choose an allowed one "
+                        f"with {option}, or leave it unset for vLLM's choice")
     if vllm_config.speculative_config is not None:
         problems.append("speculative decoding is not supported with streaming layers "
                         "(drop --speculative-config)")
@@ -181,6 +294,20 @@ def layer_problems(vllm_config: "VllmConfig", layout: "_Layout",
         if getattr(layer.impl, "scale", None) is None:
             problems.append(f"{name}: its backend {type(layer.impl).__name__} has no softmax "
                             "scale the windowed path can read")
+        if type(layer).__name__ != "Attention":
+            problems.append(f"{name}: layer class {type(layer).__name__} (only vLLM's Attention "
+                            "is known exact streamed); exclude it with 'streaming_layers'")
+        window = getattr(layer, "sliding_window", None)
+        if window is not None:
+            problems.append(
+                f"{name} is a sliding-window layer (sliding_window={window}) in a streaming KV "
+                f"cache group (its window equals device_window_tokens={cfg.device_window_tokens})"
+                ": the connector would attend its whole history; exclude it with "
+                "'streaming_layers' or choose another device_window_tokens")
+        backend = getattr(layer, "attn_backend", None)
+        problem = backend_problem(backend)
+        if problem is not None:
+            problems.append(f"{name}: {problem}, or exclude the layer with 'streaming_layers'")
     streamed = set(layout.layers)
     for name, layer in layers.items():
         full = (getattr(layer, "sliding_window", None) is None
