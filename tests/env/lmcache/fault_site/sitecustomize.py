@@ -1,0 +1,94 @@
+"""Put on PYTHONPATH of a test's engine process (and so of its engine core process, forked or
+spawned): installs $KVSTACK_OVERLAY (kvstack.release.overlay) before vLLM is imported, and, with
+$KVSTACK_FAULT_FLAG set, a fault in LMCache's LMCacheEngine.retrieve, armed by that file.
+
+The flag file holds "drop" or "raise"; the next retrieve consumes it (one fault per arming):
+- drop: removes the last chunk of the retrieve from LMCache's storage (as an eviction between the
+  request's lookup and its load would), then retrieves: the load comes back one chunk short;
+- raise: raises RuntimeError (a failing backend).
+Each fault is appended to $KVSTACK_FAULT_LOG as one line.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import os
+import sys
+
+if os.environ.get("KVSTACK_OVERLAY") and not any(m == "vllm" or m.startswith("vllm.") for m in sys.modules):
+    try:
+        from kvstack.release import overlay
+
+        if not any(type(f).__name__ == "_Finder" for f in sys.meta_path):
+            overlay.install()
+    except Exception as e:  # the test sees the tokens of an engine without the overlay then
+        print(f"sitecustomize: overlay not installed: {e!r}", file=sys.stderr)
+
+FLAG = os.environ.get("KVSTACK_FAULT_FLAG")
+LOG = os.environ.get("KVSTACK_FAULT_LOG")
+TARGET = "lmcache.v1.cache_engine"
+
+
+def _log(line: str) -> None:
+    if LOG:
+        with open(LOG, "a") as f:
+            f.write(line + "\n")
+
+
+def _take_fault() -> str | None:
+    try:
+        with open(FLAG) as f:
+            fault = f.read().strip()
+        os.unlink(FLAG)
+    except OSError:
+        return None
+    return fault or None
+
+
+def _patch(module) -> None:
+    engine_cls = module.LMCacheEngine
+    retrieve = engine_cls.retrieve
+    if getattr(retrieve, "_kvstack_fault", False):
+        return
+
+    def faulty_retrieve(self, tokens, mask=None, **kwargs):
+        fault = _take_fault()
+        if fault == "raise":
+            _log(f"raise pid={os.getpid()} tokens={len(tokens)}")
+            raise RuntimeError("kvstack test: injected backend failure")
+        if fault == "drop":
+            chunks = list(self.token_database.process_tokens(
+                tokens, mask=mask, request_configs=kwargs.get("request_configs")))
+            start, end, key = chunks[-1][:3]
+            removed = self.storage_manager.remove(key)
+            _log(f"drop pid={os.getpid()} tokens={len(tokens)} chunk={start}-{end} removed={removed}")
+        return retrieve(self, tokens, mask, **kwargs)
+
+    faulty_retrieve._kvstack_fault = True
+    engine_cls.retrieve = faulty_retrieve
+
+
+class _Hook(importlib.abc.MetaPathFinder):
+    """Patches TARGET once it is imported (whoever imports it first)."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != TARGET:
+            return None
+        import importlib.util
+
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None:
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def exec_and_patch(module):
+            exec_module(module)
+            _patch(module)
+
+        spec.loader.exec_module = exec_and_patch
+        return spec
+
+
+if FLAG:
+    sys.meta_path.insert(0, _Hook())
