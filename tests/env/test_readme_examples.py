@@ -1,14 +1,21 @@
-"""Every command example of README.md is run by a test (issue 12: "a README example no test runs is
-a bug"). Each ```bash block is either run here verbatim (bash, from the repository root, the way a
-reader pastes it), or belongs to a named test that runs exactly those commands, which is checked
-(the server blocks: tests/env/server/test_readme_commands.py compares every argument; the container
-block: tests/env/test_image_build.py). A new block that fits none of these fails the first test."""
+"""Every command example of README.md and of every docs/*.md is run by a test (issue 12: "a README
+example no test runs is a bug"; issue 30 moved most of the README's manual into docs/, under the same
+rule). Each ```bash block is either run here verbatim (bash, from the repository root, the way a reader
+pastes it), or belongs to a named test that runs exactly those commands, which is checked (the server
+blocks: tests/env/server/test_readme_commands.py compares every argument; the container block:
+tests/env/test_image_build.py), or, for the GPU-only bench commands that CI cannot run, is parsed here by
+the script's own argument parser (its CPU mode runs in tests/tooling/test_streaming_gpu_bench.py). A new
+block that fits none of these fails the first test; a second, different block of a kind run here
+verbatim fails it too (each kind is run once, so its text must be the same wherever it is shown)."""
 
 from __future__ import annotations
 
 import ast
+import importlib.util
 import re
+import shlex
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,8 +26,18 @@ README = REPO / "README.md"
 pytestmark = pytest.mark.env
 
 
+def doc_files() -> list[Path]:
+    """README.md and every docs/*.md: the files whose bash blocks must be run by a test."""
+    return [README, *sorted((REPO / "docs").glob("*.md"))]
+
+
+def blocks_by_file() -> list[tuple[Path, str]]:
+    return [(path, b) for path in doc_files()
+            for b in re.findall(r"^```bash\n(.*?)^```", path.read_text(), re.S | re.M)]
+
+
 def blocks() -> list[str]:
-    return re.findall(r"^```bash\n(.*?)^```", README.read_text(), re.S | re.M)
+    return [b for _, b in blocks_by_file()]
 
 
 # block kind -> (how to recognise it, the test that runs it and strings that test must contain)
@@ -35,10 +52,17 @@ COVERED = {
                 "tests/env/server/test_readme_commands.py", ["vllm serve", "lmcache_server"]),
     "container image": (lambda b: "buildah" in b,
                         "tests/env/test_image_build.py", ["make_base_image.sh", "docker_build.sh"]),
+    # docs/hybrid-lmcache.md, "Two routes": the LMCache MP server + an engine with LMCacheMPConnector
+    "LMCache multi-process route": (lambda b: "lmcache.v1.multiprocess.server" in b,
+                                    "tests/env/lmcache/test_mp_route.py",
+                                    ["lmcache.v1.multiprocess.server", "--supported-transfer-mode",
+                                     "--disable-observability", "LMCacheMPConnector", "lmcache.mp.port"]),
 }
 RUN_HERE = {
     "tiny models": lambda b: b.lstrip().startswith(".venv/bin/kvstack tiny-models"),
     "python heredoc": lambda b: "<<'PY'" in b and "vllm serve" not in b,
+    # docs/streaming.md, "Running it on a GPU": needs a GPU; its arguments are checked here
+    "GPU bench": lambda b: "bench/streaming_gpu.py" in b,
 }
 
 
@@ -53,14 +77,21 @@ def kind(block: str) -> str | None:
 
 
 def test_every_example_is_run_by_a_test():
-    found = [kind(b) for b in blocks()]
-    assert None not in found, "README bash block(s) no test runs:\n\n" + "\n---\n".join(
-        b for b, k in zip(blocks(), found) if k is None)
+    found = [(path, b, kind(b)) for path, b in blocks_by_file()]
+    assert found, "no bash block found in README.md or docs/*.md"
+    assert all(k is not None for _, _, k in found), "bash block(s) no test runs:\n\n" + "\n---\n".join(
+        f"{path.relative_to(REPO)}:\n{b}" for path, b, k in found if k is None)
+    kinds = {k for _, _, k in found}
     for name, (_, test, needles) in COVERED.items():
-        if name in found:
+        if name in kinds:
             text = (REPO / test).read_text()
             missing = [n for n in needles if n not in text]
-            assert not missing, f"{test} should run the README's {name} block: {missing} not in it"
+            assert not missing, f"{test} should run the docs' {name} block: {missing} not in it"
+    # Each kind run here verbatim runs one text: a second, different one would go untested.
+    for name in ("tiny models",):
+        texts = {b for _, b, k in found if k == name}
+        assert len(texts) <= 1, f"{len(texts)} different {name} blocks; show one text or add a test"
+    heredocs()  # one text per heredoc key (asserted there)
 
 
 def test_the_two_commands_are_what_ci_and_the_demo_test_run():
@@ -80,7 +111,7 @@ def run(block: str, timeout: int = 900) -> subprocess.CompletedProcess:
 
 
 def test_tiny_models_block():
-    (block,) = [b for b in blocks() if kind(b) == "tiny models"]
+    (block,) = {b for b in blocks() if kind(b) == "tiny models"}
     out = run(block).stdout
     for name in ("llama", "llama4", "qwen3next"):
         assert (REPO / "build" / "tiny-models" / name / "config.json").is_file()
@@ -88,11 +119,17 @@ def test_tiny_models_block():
 
 
 def heredocs() -> dict[str, str]:
-    out = {}
+    """The python heredoc blocks by what they show; each key has one text in all the files (a block
+    shown twice must be the same), and each key has a test below that runs it."""
+    texts: dict[str, set[str]] = {}
     for b in blocks():
         if kind(b) == "python heredoc":
-            out["streaming" if "StreamingConnector" in b else "lmcache" if "LMCache" in b else b[:40]] = b
-    return out
+            key = "streaming" if "StreamingConnector" in b else "lmcache" if "LMCache" in b else b[:40]
+            texts.setdefault(key, set()).add(b)
+    twice = {k: len(v) for k, v in texts.items() if len(v) > 1}
+    assert not twice, f"python heredocs shown in different texts (only one is run): {twice}"
+    assert set(texts) <= {"streaming", "lmcache"}, f"a heredoc no test below runs: {set(texts)}"
+    return {k: next(iter(v)) for k, v in texts.items()}
 
 
 def token_lists(stdout: str) -> list[list[int]]:
@@ -111,3 +148,29 @@ def test_lmcache_example_runs_as_written():
     out = run(heredocs()["lmcache"]).stdout
     first, second = token_lists(out)
     assert first == second and len(first) == 8
+
+
+def test_gpu_bench_commands_parse():
+    """The GPU-only commands (docs/streaming.md, "Running it on a GPU") need a GPU, which CI does not
+    have: each `python bench/streaming_gpu.py ...` line is parsed by the script's own parser here
+    (an unknown option or a bad value fails), and its CPU mode runs in
+    tests/tooling/test_streaming_gpu_bench.py."""
+    spec = importlib.util.spec_from_file_location("streaming_gpu", REPO / "bench" / "streaming_gpu.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up
+    try:
+        spec.loader.exec_module(mod)
+    finally:
+        del sys.modules[spec.name]
+    lines = [ln for b in blocks() if kind(b) == "GPU bench"
+             for ln in b.replace("\\\n", " ").splitlines() if "bench/streaming_gpu.py" in ln]
+    assert lines, "no GPU bench command found"
+    for line in lines:
+        argv = shlex.split(line.split("2>&1")[0].split("|")[0], comments=True)
+        assert argv[:2] == ["python", "bench/streaming_gpu.py"], line
+        args = mod.parse_args(argv[2:])
+        assert {o.strip() for o in args.page_order.split(",")} <= {"contiguous", "shuffled"}, line
+        for ctx in args.contexts.split(","):
+            assert ctx.strip() == "max" or mod.parse_tokens(ctx) > 0, line
+        assert all(int(b) > 0 for b in args.decode_batch.split(",")), line
+        assert {v.strip() for v in args.decode.split(",")} <= {"stream", "host"}, line

@@ -212,7 +212,7 @@ def main(argv=None) -> int:
 
 
 def with_streaming_config(streaming_layers: str, page_tokens: int) -> dict:
-    """--with-streaming's kv_transfer_config (the README shows it for layers\\.1\\. and page 32)."""
+    """--with-streaming's kv_transfer_config (docs/streaming-usage.md shows it for layers\\.1\\. and page 32)."""
     streaming = {"kv_connector": "StreamingConnector", "kv_role": "kv_both",
                  "kv_connector_module_path": "kvstack.streaming",
                  "kv_connector_extra_config": {"streaming_layers": [streaming_layers],

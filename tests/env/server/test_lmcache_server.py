@@ -1,6 +1,6 @@
 """`vllm serve` with LMCacheConnectorV1 on the tiny Qwen3-Next (hybrid: 3 gated delta-net layers +
 1 full attention), on loopback, driven by the `openai` client and `vllm bench serve`. Two LMCache
-backends, one server each (the README's commands, test_readme_commands.py):
+backends, one server each (the commands of docs/hybrid-lmcache-usage.md, test_readme_commands.py):
 
 - ``local-cpu``: LMCache's local CPU backend (LMCACHE_LOCAL_CPU=True);
 - ``remote``: no local tier, chunks go to an `lmcache_server` on 127.0.0.1 (LMCACHE_REMOTE_URL).

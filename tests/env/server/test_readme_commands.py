@@ -1,9 +1,10 @@
-"""The server examples of README.md are exactly the commands the server tests run: every
-``vllm serve`` / ``vllm bench serve`` / ``lmcache_server`` line of the sections "Streaming
-attention ..." and "Hybrid models with LMCache ..." (with the ``export`` lines before it in the same
-code block) equals the arguments and environment of tests/env/server, and every server the tests
-start is shown there. Also: a taken port fails with a clear message before anything starts.
-Runs in a second, no server needed."""
+"""The server examples of the docs are exactly the commands the server tests run: every
+``vllm serve`` / ``vllm bench serve`` / ``lmcache_server`` line of docs/streaming-usage.md ("Running
+streaming attention ...") and docs/hybrid-lmcache-usage.md ("Running hybrid models with LMCache ...")
+(with the ``export`` lines before it in the same code block) equals the arguments and environment of
+tests/env/server, and every server the tests start is shown there; no other bash block of README.md or
+docs/*.md shows a server (the container image's block is tests/env/test_image_build.py's). Also: a taken
+port fails with a clear message before anything starts. Runs in a second, no server needed."""
 
 from __future__ import annotations
 
@@ -21,14 +22,16 @@ from vllm_server import BASE_ENV, ROOT
 
 pytestmark = pytest.mark.env
 
-SECTIONS = {"streaming": "## Streaming attention", "hybrid": "## Hybrid models with LMCache"}
+# The files whose server blocks the tests below compare (issue 30 moved them out of README.md).
+FILES = {"streaming": ROOT / "docs" / "streaming-usage.md", "hybrid": ROOT / "docs" / "hybrid-lmcache-usage.md"}
 
 
-def section(title_prefix: str) -> str:
-    text = (ROOT / "README.md").read_text()
-    start = text.index("\n" + title_prefix)
-    end = text.find("\n## ", start + 1)
-    return text[start:end if end > 0 else None]
+def section(name: str) -> str:
+    return FILES[name].read_text()
+
+
+def doc_files() -> list:
+    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 
 def commands(text: str) -> list[tuple[list[str], dict[str, str]]]:
@@ -53,7 +56,7 @@ def commands(text: str) -> list[tuple[list[str], dict[str, str]]]:
 
 
 def test_streaming_section_shows_the_tested_server_and_bench():
-    cmds = commands(section(SECTIONS["streaming"]))
+    cmds = commands(section("streaming"))
     serve = [(a, e) for a, e in cmds if a[1:2] == ["serve"]]
     bench = [(a, e) for a, e in cmds if a[1:3] == ["bench", "serve"]]
     assert serve == [([".venv/bin/vllm", "serve", *st.SERVE], {**BASE_ENV, **st.ENV})] + [
@@ -67,7 +70,7 @@ def test_streaming_section_shows_the_tested_server_and_bench():
 
 
 def test_hybrid_section_shows_the_tested_servers_and_bench():
-    cmds = commands(section(SECTIONS["hybrid"]))
+    cmds = commands(section("hybrid"))
     serve = [(a, e) for a, e in cmds if a[1:2] == ["serve"]]
     assert serve == [([".venv/bin/vllm", "serve", *lm.SERVE], {**BASE_ENV, **lm.ENV[backend]})
                      for backend in ("local-cpu", "remote")]
@@ -75,6 +78,18 @@ def test_hybrid_section_shows_the_tested_servers_and_bench():
         [".venv/bin/vllm", "bench", "serve", *lm.BENCH]]
     assert [a for a, _ in cmds if a[0].endswith("lmcache_server")] == [
         [".venv/bin/" + lm.LMCACHE_SERVER[0], *lm.LMCACHE_SERVER[1:]]]
+
+
+def test_no_server_block_elsewhere():
+    """A server block outside the two files above would be compared with nothing."""
+    others = []
+    for path in doc_files():
+        if path in FILES.values():
+            continue
+        for block in re.findall(r"```bash\n(.*?)```", path.read_text(), re.S):
+            if "buildah" not in block and commands("```bash\n" + block + "```"):
+                others.append(f"{path.relative_to(ROOT)}:\n{block}")
+    assert not others, "server commands no test compares:\n" + "\n---\n".join(others)
 
 
 def test_a_taken_port_fails_clearly_before_anything_starts():

@@ -1,5 +1,5 @@
 """`vllm serve` with kvstack's StreamingConnector and LMCacheConnectorV1 in one engine through vLLM's
-MultiConnector (issue 17), as the README shows it: the tiny llama's layer 1 streams from the host tier,
+MultiConnector (issue 17), as docs/streaming-usage.md shows it: the tiny llama's layer 1 streams from the host tier,
 layer 0 keeps its device KV cache and LMCache's local CPU backend stores it; a prefix hit is joint
 (every connector loads the same prefix). Driven by the `openai` client: the tokens of offline
 `LLM.generate` without connectors, and the joint hits on /metrics (vLLM's external prefix cache

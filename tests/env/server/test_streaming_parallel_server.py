@@ -1,5 +1,5 @@
 """`vllm serve` with kvstack's StreamingConnector under tensor and pipeline parallelism (issue 17),
-as the README shows it: the command of test_streaming_server.py plus ``--tensor-parallel-size 2``
+as docs/streaming-usage.md shows it: the command of test_streaming_server.py plus ``--tensor-parallel-size 2``
 or ``--pipeline-parallel-size 2`` (``--distributed-executor-backend mp``), each rank on its own
 bound core (``VLLM_CPU_OMP_THREADS_BIND``).
 
@@ -22,7 +22,7 @@ from kvtest import on_default_base
 from vllm_server import ROOT, OfflineRun, Server, serving
 
 
-# CI time: the README's commands run the default base's venv; on the other base the same TP 2 /
+# CI time: the documented commands run the default base's venv; on the other base the same TP 2 /
 # PP 2 streaming engines are checked offline (ci/gpu/check_streaming.py, test_gpu_check_streaming_script.py).
 # Both bases passed this file on 2026-11-24.
 pytestmark = [pytest.mark.env, pytest.mark.slow, pytest.mark.streaming_hooks,

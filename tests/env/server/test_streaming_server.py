@@ -4,7 +4,7 @@
 The budget: 32 blocks of 32 tokens (1024 tokens) shared by the 4 KV cache groups. Native vLLM
 would need one block per 32 tokens of the NoPE layer for each request; with the connector that
 layer's history is in the host tier and each group needs only room for one 128-token step
-(4 x (128/32 + 1) = 20 blocks). The server commands are the README's (test_readme_commands.py).
+(4 x (128/32 + 1) = 20 blocks). The server commands are docs/streaming-usage.md's (test_readme_commands.py).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""`vllm serve` with the StreamingConnector's shared tier (issue 17), as the README shows it: the
+"""`vllm serve` with the StreamingConnector's shared tier (issue 17), as docs/streaming-usage.md shows it: the
 command of test_streaming_server.py with an ``lmcache`` dict in the connector's extra config, its
 pages in LMCache's storage through ``lmcache_server`` on loopback.
 

@@ -1,10 +1,11 @@
 """Start and stop real `vllm serve` processes (and `lmcache_server`) on loopback for the server tests.
 
 - `Server(name, serve_args, env)`: ``vllm serve *serve_args`` from the repository root, as a user
-  would type it (the commands in README.md). The placeholder ports of those commands (`PORT`,
-  `LMCACHE_PORT`) are replaced by free ports. ``start()`` refuses a port that is taken, captures the
-  server's output to ``build/server-tests/<name>.log`` and waits for ``/health`` (the log's tail is
-  in the error when it does not come up). ``stop()`` ends the whole process tree (its own process
+  would type it (the commands in docs/streaming-usage.md and docs/hybrid-lmcache-usage.md). The
+  placeholder ports of those commands (`PORT`, `LMCACHE_PORT`) are replaced by free ports.
+  ``start()`` refuses a port that is taken, captures the server's output to
+  ``build/server-tests/<name>.log`` and waits for ``/health`` (the log's tail is in the error when it
+  does not come up). ``stop()`` ends the whole process tree (its own process
   group). One server per module: see the module-scoped fixtures of the tests.
 - `OfflineRun`: the same model through `vllm.LLM` (tests/env/lmcache/engine_run.py) in its own
   process, started next to the server, for the reference tokens.
@@ -31,11 +32,11 @@ BIN = Path(sys.executable).parent  # the venv the tests run in: its `vllm`, `lmc
 LOG_DIR = ROOT / "build" / "server-tests"
 ENGINE_RUN = ROOT / "tests" / "env" / "lmcache" / "engine_run.py"
 
-# The ports the README's commands use; the tests substitute free ones.
+# The ports the documented commands use; the tests substitute free ones.
 PORT = "8000"
 LMCACHE_PORT = "65432"
 
-# The environment of every server command in the README (the Makefile's, plus the CPU engine's
+# The environment of every server command in the docs (the Makefile's, plus the CPU engine's
 # speed-ups from kvstack.testbed.tiny_models.ENGINE_ENV, which do not change the tokens).
 BASE_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",
@@ -307,7 +308,7 @@ class OfflineRun:
 
 
 def bench_serve(server: Server, bench_args: list[str], timeout_s: float = 420.0) -> dict:
-    """``vllm bench serve *bench_args`` against `server` (its port replaces the README's), run
+    """``vllm bench serve *bench_args`` against `server` (its port replaces the documented one), run
     from the repository root; returns the JSON it saved (``--save-result --result-dir D
     --result-filename F``, both required)."""
     args = list(bench_args)
