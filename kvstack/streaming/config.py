@@ -21,7 +21,12 @@ Keys of ``kv_connector_extra_config`` (all optional):
 - ``on_host_tier_full`` (default ``"fail"``): what happens to a new request when the host tier
   cannot hold it now (other requests hold the pages): ``"fail"`` finishes it at once with finish
   reason ``"error"`` and the reason as its stop reason, and the engine keeps serving the others;
-  ``"wait"`` keeps it queued until finished requests free enough pages.
+  ``"wait"`` keeps it queued until finished requests free enough pages. Waiting is first come,
+  first served: the pages a waiting request needs are kept for it, so later requests are admitted
+  only into what is left after every earlier waiting request's need (a stream of small requests
+  never starves a large one).
+- ``wait_timeout_s`` (default none: no limit): with ``"wait"``, a request that has waited this many
+  seconds for host-tier room fails alone (finish reason ``"error"``, the reason as its stop reason).
 - ``decode_reserve_tokens`` (default 256, or ``"max"``): host-tier room reserved at admission
   beyond the prompt: ``prompt + min(max_tokens, decode_reserve_tokens)``. A request that decodes
   past its reservation takes free pages as it grows; if none is free it fails alone (finish reason
@@ -71,6 +76,7 @@ class StreamingConfig:
     host_tier_path: str | None = None
     prefix_reuse: bool = True
     on_host_tier_full: str = "fail"
+    wait_timeout_s: float | None = None  # "wait": fail a request after waiting this long
     cpu_native_attention: bool = True
     decode_reserve_tokens: int | None = 256  # None: "max" (prompt + max_tokens)
     # the shared tier: LMCache config (sorted items; `lmcache_config` gives the dict), or None
@@ -101,6 +107,7 @@ class StreamingConfig:
             host_tier_path=extra.get("host_tier_path") or None,
             prefix_reuse=bool(extra.get("prefix_reuse", True)),
             on_host_tier_full=str(extra.get("on_host_tier_full", cls.on_host_tier_full)),
+            wait_timeout_s=_seconds(extra.get("wait_timeout_s")),
             cpu_native_attention=bool(extra.get("cpu_native_attention", True)),
             decode_reserve_tokens=_reserve(extra.get("decode_reserve_tokens",
                                                      cls.decode_reserve_tokens)),
@@ -113,6 +120,9 @@ class StreamingConfig:
         if cfg.on_host_tier_full not in ("fail", "wait"):
             raise ValueError("kvstack streaming: on_host_tier_full must be 'fail' or 'wait', "
                              f"not {cfg.on_host_tier_full!r}")
+        if cfg.wait_timeout_s is not None and cfg.on_host_tier_full != "wait":
+            raise ValueError("kvstack streaming: wait_timeout_s applies to on_host_tier_full="
+                             "'wait' only (with 'fail' a request never waits)")
         if cfg.host_tier_gib <= 0:
             raise ValueError("kvstack streaming: host_tier_gib must be positive")
         return cfg
@@ -130,6 +140,19 @@ def _lmcache(value: Any) -> tuple[tuple[str, Any], ...] | None:
 
     checked = check_config(value)
     return tuple(sorted(checked.items())) if checked is not None else None
+
+
+def _seconds(value: Any) -> float | None:
+    if value is None:
+        return None
+    try:
+        t = float(value)
+    except (TypeError, ValueError):
+        t = -1.0
+    if not t > 0:
+        raise ValueError("kvstack streaming: wait_timeout_s must be a positive number of seconds "
+                         f"(or unset: no limit), not {value!r}")
+    return t
 
 
 def _reserve(value: Any) -> int | None:

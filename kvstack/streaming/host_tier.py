@@ -45,6 +45,9 @@ class PoolStats:
     evicted_pages: int = 0
     refused_requests: int = 0
     waited_for_space: int = 0
+    wait_timeouts: int = 0
+    resumed_reuse_requests: int = 0
+    resumed_reuse_tokens: int = 0
     failed_host_tier_full: int = 0
     cache_resets: int = 0
     reset_dropped_pages: int = 0

@@ -40,6 +40,9 @@ GAUGES: dict[str, tuple[str, str]] = {
                      "for prefix reuse (evictable)."),
     "live_requests": ("vllm:kvstack_host_tier_requests",
                       "kvstack StreamingConnector: requests holding host-tier pages."),
+    "waiting_requests": ("vllm:kvstack_host_tier_waiting_requests",
+                         "kvstack StreamingConnector: requests waiting in line for host-tier "
+                         "room (on_host_tier_full='wait')."),
 }
 # stats() key -> (Prometheus name, help). Counters: cumulative, reported as increments.
 # (prometheus_client appends "_total" to a counter's name in the exposition.)
@@ -64,6 +67,15 @@ COUNTERS: dict[str, tuple[str, str]] = {
     "waited_for_space": ("vllm:kvstack_host_tier_waits",
                          "kvstack StreamingConnector: scheduling attempts a request waited "
                          "because the host tier had no room for it (on_host_tier_full='wait')."),
+    "wait_timeouts": ("vllm:kvstack_host_tier_wait_timeouts",
+                      "kvstack StreamingConnector: requests failed after waiting "
+                      "wait_timeout_s for host-tier room."),
+    "resumed_reuse_requests": ("vllm:kvstack_resumed_reuse_requests",
+                               "kvstack StreamingConnector: requests resumed after preemption "
+                               "that reused the host-tier pages they held."),
+    "resumed_reuse_tokens": ("vllm:kvstack_resumed_reuse_tokens",
+                             "kvstack StreamingConnector: tokens a resumed request did not "
+                             "recompute (its own host-tier pages)."),
 }
 
 

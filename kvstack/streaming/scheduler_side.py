@@ -4,6 +4,7 @@ pages, prefix reuse, freeing) and the per-step metadata for the worker."""
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 from .config import StreamingConfig
@@ -65,6 +66,11 @@ class _SchedulerSide:
         self._blocks: dict[str, dict[int, list[int]]] = {}
         self._prompt_len: dict[str, int] = {}
         self._failed: dict[str, str] = {}  # req_id -> reason, until the scheduler takes it
+        # on_host_tier_full="wait": req_id -> [first wait (monotonic s), pages it needs], in the
+        # order they began to wait, until vLLM allocates them (or they finish)
+        self._waiting: dict[str, list] = {}
+        # req_id -> tokens whose K/V its host pages hold (what a resume after preemption reuses)
+        self._written: dict[str, int] = {}
         # the worker's copy of each page table: pages sent so far; finished requests to drop
         self._sent: dict[str, int] = {}
         self._finished: list[str] = []
@@ -99,14 +105,14 @@ class _SchedulerSide:
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int):
         rid = request.request_id
-        if self.pool.has(rid):  # resumed after preemption: its pages are still held
-            return 0, False
-        need = self._admission_pages(request)
-        hit_pages = 0
-        shared_pages = 0
         # vLLM drops any hit of a request that must not read the prefix cache (prompt_logprobs,
         # some pooling) after this answer: admit it as the request it will be, with no hit
         skip_reading = bool(getattr(request, "skip_reading_prefix_cache", False))
+        if self.pool.has(rid):  # resumed after preemption: its pages are still held
+            return self._resume_hit(request, num_computed_tokens, skip_reading), False
+        need = self._admission_pages(request)
+        hit_pages = 0
+        shared_pages = 0
         if self.prefix_reuse and num_computed_tokens == 0 and not skip_reading:
             limit = (request.num_prompt_tokens - 1) // self.cfg.page_tokens
             hit_pages = self.pool.match_prefix(self._hashes_of(request))
@@ -126,10 +132,14 @@ class _SchedulerSide:
         # Cached pages this request hits are taken, not freed: counted once, as hits.
         idle_hits = self.pool.num_idle_hits(self._hashes_of(request), hit_pages) if hit_pages else 0
         free = self.pool.num_available() - idle_hits - self._outstanding()
-        if need - hit_pages > free:
-            if self.cfg.on_host_tier_full == "wait":
-                self.pool.stats.waited_for_space += 1
-                return None, False  # not now: wait until finished requests free the tier
+        if self.cfg.on_host_tier_full == "wait":
+            # first come, first served: what earlier waiting requests need is kept for them
+            free -= self._needed_ahead_of(rid)
+            if need - hit_pages > free:
+                return self._wait(request, need - hit_pages, free), False
+            if rid in self._waiting:  # admitted: it keeps its place until vLLM allocates it
+                self._waiting[rid][1] = need - hit_pages
+        elif need - hit_pages > free:
             if rid not in self._failed:
                 self.pool.stats.failed_host_tier_full += 1
                 self._failed[rid] = (
@@ -142,6 +152,51 @@ class _SchedulerSide:
             return None, False  # not scheduled; the scheduler fails it (take_failed)
         # pages from the shared tier need pages of the host tier: counted in `need` above
         return (hit_pages + shared_pages) * self.cfg.page_tokens, False
+
+    def _needed_ahead_of(self, rid: str) -> int:
+        """Pages the requests waiting since before `rid` still need (all waiting ones when
+        `rid` has not waited yet)."""
+        ahead = 0
+        for other, (_, need) in self._waiting.items():
+            if other == rid:
+                break
+            ahead += need
+        return ahead
+
+    def _wait(self, request: "Request", need: int, free: int) -> None:
+        """`request` waits for `need` pages (on_host_tier_full="wait"), in line behind the
+        requests that waited before it; past ``wait_timeout_s`` it fails alone instead."""
+        rid = request.request_id
+        now = time.monotonic()
+        entry = self._waiting.setdefault(rid, [now, need])
+        entry[1] = need
+        self.pool.stats.waited_for_space += 1
+        timeout = self.cfg.wait_timeout_s
+        if timeout is not None and now - entry[0] >= timeout and rid not in self._failed:
+            self.pool.stats.failed_host_tier_full += 1
+            self.pool.stats.wait_timeouts += 1
+            self._failed[rid] = (
+                f"kvstack StreamingConnector: host tier full: this request waited "
+                f"{now - entry[0]:.1f} s (wait_timeout_s={timeout:g}) for "
+                f"{need * self.cfg.page_tokens} tokens of host tier (prompt + "
+                f"{self._reserve_what()}); {max(free, 0) * self.cfg.page_tokens} are free to it "
+                f"({len(self._reserved)} running and {len(self._waiting) - 1} other waiting "
+                f"request(s) hold or need the rest of {self.pool.capacity_tokens}); retry later, "
+                f"raise host_tier_gib or wait_timeout_s")
+        return None
+
+    def _resume_hit(self, request: "Request", num_computed_tokens: int,
+                    skip_reading: bool) -> int:
+        """A request preempted by vLLM keeps its host pages: on its resume, the tokens whose
+        K/V those pages hold are an external hit (no device KV to restore: every other layer
+        streams, or is chunked-local and the hit ends where its chunks end, or a sibling
+        connector restores it under joint hits), up to the last token, which it recomputes."""
+        if not self.layout.reuse_ok or skip_reading:
+            return 0
+        total = min(self._written.get(request.request_id, 0), request.num_tokens - 1)
+        granule = self._granule_pages * self.cfg.page_tokens
+        total -= total % granule
+        return max(0, total - num_computed_tokens)
 
     def _admission_pages(self, request: "Request") -> int:
         """Pages reserved when a request is admitted: its prompt and the first
@@ -172,11 +227,16 @@ class _SchedulerSide:
         for rid in failed:
             self._hashes.pop(rid, None)
             self._fetched.pop(rid, None)
+            self._waiting.pop(rid, None)
         return failed
 
     def update_state_after_alloc(self, request: "Request", num_external_tokens: int):
         rid = request.request_id
+        self._waiting.pop(rid, None)
         if self.pool.has(rid):
+            if num_external_tokens > 0:  # a resume reusing its own pages (_resume_hit)
+                self.pool.stats.resumed_reuse_requests += 1
+                self.pool.stats.resumed_reuse_tokens += num_external_tokens
             return
         hashes = self._hashes_of(request) if self.prefix_reuse else []
         hit = num_external_tokens // self.cfg.page_tokens
@@ -251,6 +311,7 @@ class _SchedulerSide:
             anchors = self._anchors(rid, start)
             first = anchors.pop(self.layout.group)
             meta.reqs.append(self._step(rid, start, n, first, anchors))
+            self._written[rid] = start + n
             if self.prefix_reuse:
                 self.pool.register_full_pages(
                     rid, self._hashes.get(rid, []), min(start + n, self._prompt_len.get(rid, 0)))
@@ -335,6 +396,8 @@ class _SchedulerSide:
         self._fetched.pop(rid, None)
         self._saved.pop(rid, None)
         self._loaded.pop(rid, None)
+        self._waiting.pop(rid, None)
+        self._written.pop(rid, None)
 
     def reset_cache(self) -> bool:
         """vLLM's reset_prefix_cache(reset_connector=True) (`LLM.reset_prefix_cache(reset_connector=
@@ -347,6 +410,7 @@ class _SchedulerSide:
         self._generation += 1
         for rid in self._hashes:
             self._hashes[rid] = []  # running: computed before the reset, never published now
+        self._written.clear()  # nor reused by a resume after preemption
         self._fetched.clear()
         logger.info("kvstack streaming: cache reset: %d cached host-tier page(s) dropped, "
                     "prefix hashes reseeded (generation %d)", dropped, self._generation)
@@ -367,6 +431,10 @@ class _SchedulerSide:
             freed_pages=s.freed_pages,
             evicted_pages=s.evicted_pages,
             waited_for_space=s.waited_for_space,
+            waiting_requests=len(self._waiting),
+            wait_timeouts=s.wait_timeouts,
+            resumed_reuse_requests=s.resumed_reuse_requests,
+            resumed_reuse_tokens=s.resumed_reuse_tokens,
             failed_host_tier_full=s.failed_host_tier_full,
             cache_resets=s.cache_resets,
             reset_dropped_pages=s.reset_dropped_pages,

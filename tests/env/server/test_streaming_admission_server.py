@@ -14,7 +14,9 @@ tokens of decode); once its prefill is done, request C (B's prompt + 40 tokens, 
 arrives. Its 680 + 8 tokens need 22 pages with no hit (2 beyond the 20 it shares with B, which is
 what the connector used to count). Under "wait" C waits for B, then completes with the tokens of an offline run
 without any connector and a logprob for every prompt token; under "fail" C fails alone with the
-reason. Either way B completes exact and the server serves the next request.
+reason. Under "wait" with `wait_timeout_s: 1`, C waits and, B still running after a second, fails
+alone with the reason (counted in vllm:kvstack_host_tier_wait_timeouts_total). Either way B
+completes exact and the server serves the next request.
 """
 
 from __future__ import annotations
@@ -40,11 +42,13 @@ ENV = {"VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE": "1"}
 
 
 def serve_args(policy: str) -> list[str]:
+    """`policy`: "wait", "fail", or "timeout" ("wait" with wait_timeout_s 1)."""
+    extra = {"window_tokens": 48, "page_tokens": 32, "host_tier_gib": 32 * PAGE_BYTES / 2**30,
+             "on_host_tier_full": "wait" if policy == "timeout" else policy}
+    if policy == "timeout":
+        extra["wait_timeout_s"] = 1
     kv = {"kv_connector": "StreamingConnector", "kv_role": "kv_both",
-          "kv_connector_module_path": "kvstack.streaming",
-          "kv_connector_extra_config": {"window_tokens": 48, "page_tokens": 32,
-                                        "host_tier_gib": 32 * PAGE_BYTES / 2**30,
-                                        "on_host_tier_full": policy}}
+          "kv_connector_module_path": "kvstack.streaming", "kv_connector_extra_config": extra}
     return [MODEL, "--host", "127.0.0.1", "--port", "8000", "--dtype", "bfloat16",
             "--block-size", "32", "--max-model-len", "1024", "--max-num-seqs", "4",
             "--max-num-batched-tokens", "64", "--enforce-eager", "--seed", "0",
@@ -104,7 +108,7 @@ def _b_then_c(server: Server) -> tuple[dict, object]:
     return {"b": b_tokens, "b_finish": finish, **got}, client
 
 
-@pytest.mark.parametrize("policy", ["wait", "fail"])
+@pytest.mark.parametrize("policy", ["wait", "fail", "timeout"])
 def test_prompt_logprobs_request_under_a_full_tier(policy, reference):
     expected = reference.result()
     with serving(Server(f"llama4-admission-{policy}", serve_args(policy), ENV)) as server:
@@ -124,13 +128,18 @@ def test_prompt_logprobs_request_under_a_full_tier(policy, reference):
                 assert c.choices[0].finish_reason not in ("length", "stop"), c
             else:
                 assert err is not None
-            assert "host tier full" in server.log.read_text(errors="replace")
+            log = server.log.read_text(errors="replace")
+            assert "host tier full" in log
+            if policy == "timeout":
+                assert "wait_timeout_s=1" in log, server.tail()
         m = server.wait_metrics(lambda m: m.get("vllm:kvstack_host_tier_requests", 1) == 0)
         if policy == "wait":  # C waited for room, then ran; nothing failed
             assert m["vllm:kvstack_host_tier_waits_total"] >= 1, m
             assert m["vllm:kvstack_host_tier_full_failed_requests_total"] == 0, m
-        else:  # C alone failed, at admission
+        else:  # C alone failed, at admission (at once, or after waiting a second)
             assert m["vllm:kvstack_host_tier_full_failed_requests_total"] == 1, m
+            timeouts = m.get("vllm:kvstack_host_tier_wait_timeouts_total", 0)
+            assert timeouts == (1 if policy == "timeout" else 0), m
         # the engine serves on
         assert server.complete(AFTER, max_tokens=8, client=client) == expected[2][:8]
         text = server.log.read_text(errors="replace")

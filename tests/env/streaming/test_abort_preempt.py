@@ -45,6 +45,11 @@ PREEMPT = {"long": ids(prompt(700, 21)), "short1": ids(prompt(8, 22)),
 # the same shapes, other tokens (a cached long prompt would be a prefix hit: no preemption)
 PREEMPT_ABORT = {"long": ids(prompt(700, 31)), "short1": ids(prompt(8, 32)),
                  "short2": ids(prompt(12, 33)), "mid": ids(prompt(40, 34))}
+# a long prompt preempted mid-prefill after a few 32-token pages (and local chunks): its resume
+# reuses them; the control's prompts have other tokens (the first run's would be prefix hits)
+PREEMPT_REUSE = {f"{run}-{name}": ids(prompt(n, salt + k))
+                 for run, salt in (("reuse", 41), ("control", 51))
+                 for k, (name, n) in enumerate((("short", 40), ("long", 700)))}
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +61,8 @@ def model():
 def native(model):
     llm = make_llm_from(model, max_model_len=MAX_LEN)
     try:
-        prompts = {**AFTER, **PREEMPT, **{f"pa-{n}": p for n, p in PREEMPT_ABORT.items()}}
+        prompts = {**AFTER, **PREEMPT, **{f"pa-{n}": p for n, p in PREEMPT_ABORT.items()},
+                   **PREEMPT_REUSE}
         outs = greedy_logprobs(llm, [P(p) for p in prompts.values()], N_NEW)
         return dict(zip(prompts, outs))
     finally:
@@ -190,3 +196,69 @@ def test_abort_while_preempted_frees_the_host_tier(streaming, native, monkeypatc
             continue
         out = outs[rid].outputs[0]
         assert list(out.token_ids) == native[f"pa-{name}"][0], name
+
+
+@pytest.mark.parametrize("run", ["reuse", "control"])
+def test_resumed_request_reuses_its_host_pages(streaming, native, monkeypatch, run):
+    """A request vLLM preempts mid-prefill keeps its host pages; on its resume they are a hit
+    (whole pages and local chunks), counted in resumed_reuse_tokens, and every request gets the
+    native result. The preemption is vLLM's own, through its public API
+    (`LLM.reset_prefix_cache(reset_running_requests=True)`, which preempts every running request;
+    the connector's cache is not reset, so its pages stay valid): on this engine a tight device
+    budget preempts only requests shorter than a page (test above), since every group of the
+    sharp Llama-4 keeps at most a chunk or a window of blocks per request. Control: the reused
+    pages zeroed at the preemption change the long request's result (so the hit is real: a
+    recompute would have rewritten them)."""
+    from vllm import SamplingParams
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    eng = streaming.llm_engine
+    conn = scheduler_connector(streaming)
+    sched = scheduler(streaming)
+    store = get_kv_transfer_group()._worker.store  # the worker side, in this process
+    preempted = []
+    real = sched._preempt_request
+
+    def spy(request, timestamp, *args, **kwargs):
+        computed = request.num_computed_tokens
+        preempted.append(dict(req=request.request_id, computed=computed))
+        if run == "control":
+            for page in conn._sched.pool.pages(request.request_id)[:computed // PAGE]:
+                for kv in store.kv.values():
+                    kv[page].zero_()
+        return real(request, timestamp, *args, **kwargs)
+
+    monkeypatch.setattr(sched, "_preempt_request", spy)
+    before = conn.stats()
+    sp = SamplingParams(max_tokens=N_NEW, temperature=0, ignore_eos=True, logprobs=5)
+    for name in ("short", "long"):
+        eng.add_request(f"{run}-{name}", P(PREEMPT_REUSE[f"{run}-{name}"]), sp)
+    outs = {}
+    for _ in range(500):
+        if not eng.has_unfinished_requests():
+            break
+        for o in eng.step():
+            if o.finished:
+                outs[o.request_id] = o.outputs[0]
+        long = [r for r in sched.running if r.request_id.startswith(f"{run}-long")]
+        if not preempted and long and long[0].num_computed_tokens > 3 * PAGE:
+            streaming.reset_prefix_cache(reset_running_requests=True)
+    assert not eng.has_unfinished_requests()
+    print("preemptions:", preempted)
+    st = conn.stats()
+    reused = st["resumed_reuse_tokens"] - before["resumed_reuse_tokens"]
+    print(f"{run}: resumed requests reused {reused} tokens of their own host pages")
+    assert [p["req"].startswith(f"{run}-long") for p in preempted] == [True], preempted
+    assert reused == preempted[0]["computed"] // PAGE * PAGE > 2 * PAGE
+    assert st["resumed_reuse_requests"] == before["resumed_reuse_requests"] + 1
+    assert st["pages_in_use"] == 0 and st["live_requests"] == 0, st
+    got = {f"{run}-{name}": (list(o.token_ids),
+                             [{t: lp.logprob for t, lp in step.items()} for step in o.logprobs])
+           for name, o in ((n, outs[f"{run}-{n}"]) for n in ("long", "short"))}
+    if run == "reuse":
+        assert_native(got, native)
+    else:
+        assert got[f"{run}-short"][0] == native[f"{run}-short"][0]
+        res, ref = got[f"{run}-long"], native[f"{run}-long"]
+        print(f"control: long vs native {logprob_gap(res, ref):.4f}")
+        assert logprob_gap(res, ref) > TOL, "zeroed reused pages changed nothing"

@@ -1,5 +1,5 @@
-"""bench/streaming.py, the README's streaming benchmark, run end to end at small sizes: every
-section (offline TTFT and TPOT, `vllm serve` + `vllm bench serve`, device KV and the largest
+"""bench/streaming.py, the streaming benchmark of docs/streaming-usage.md, run end to end at
+small sizes: every section (offline TTFT and TPOT, `vllm serve` + `vllm bench serve`, device KV and the largest
 context at a fixed budget, prefix reuse) runs, prints its figure lines, and the last line carries
 them all. The ratios are not judged here (timings belong to the bench, not to tests); what is
 judged is what does not depend on timing: greedy tokens equal to native, flat device KV, and the
@@ -26,7 +26,8 @@ SMALL = ["--rounds", "1", "--reps", "1", "--ttft-context", "1500", "--ttft-batch
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    tier = tmp_path_factory.mktemp("bench") / "tier.bin"  # the README's file-backed host tier
+    # the file-backed host tier of docs/streaming-usage.md
+    tier = tmp_path_factory.mktemp("bench") / "tier.bin"
     res = subprocess.run([sys.executable, str(REPO / "bench" / "streaming.py"), *SMALL,
                           "--host-tier-path", str(tier)],
                          cwd=REPO, capture_output=True, text=True, timeout=900)

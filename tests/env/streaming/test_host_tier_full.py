@@ -69,3 +69,46 @@ def test_prompt_logprobs_request_under_a_nearly_full_tier(policy):
         assert st["prefix_hit_requests"] == 0
     finally:
         close(llm)
+
+
+@pytest.mark.parametrize("line", ["fifo", "control"])
+def test_wait_lets_no_small_request_overtake_a_large_one(line, monkeypatch):
+    """on_host_tier_full="wait" is first come, first served: request B holds 24 of the 32 pages
+    (700 + 64 tokens); L (300 + 8 tokens: 10 pages) arrives next and waits; three small requests
+    (100 + 8 tokens: 4 pages each) arrive after it and would fit in the 8 free pages, but wait
+    behind L (its 10 pages are kept for it) and go in with it once B is done. Every request gets
+    the tokens it gets alone. Control: the line removed (a mutation of _needed_ahead_of), the
+    small ones overtake L while B runs."""
+    from vllm import SamplingParams
+
+    llm = make_llm("llama4", streaming=dict(TIER, on_host_tier_full="wait"),
+                   **dict(BUDGET, num_gpu_blocks_override=40))
+    try:
+        conn = scheduler_connector(llm)
+        if line == "control":
+            monkeypatch.setattr(conn._sched, "_needed_ahead_of", lambda rid: 0)
+        eng = llm.llm_engine
+        sched = eng.engine_core.engine_core.scheduler
+        reqs = {"B": (prompt(700), 64), "L": (prompt(300, 5), 8),
+                **{f"S{i}": (prompt(100, 10 + i), 8) for i in range(3)}}
+        for rid, (p, n) in reqs.items():
+            eng.add_request(rid, p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+        admitted, outs, step = {}, {}, 0
+        while eng.has_unfinished_requests() and step < 2000:
+            for o in eng.step():
+                if o.finished:
+                    outs[o.request_id] = list(o.outputs[0].token_ids)
+            step += 1
+            for r in sched.running:
+                admitted.setdefault(r.request_id.rsplit("-", 1)[0], step)
+        print(line, "admitted at step:", admitted, "stats:", conn.stats())
+        small = [admitted[f"S{i}"] for i in range(3)]
+        if line == "fifo":
+            assert admitted["L"] <= min(small) and admitted["L"] > admitted["B"]
+            assert conn.stats()["waiting_requests"] == 0
+            alone = {rid: tokens(llm, [p], n)[0] for rid, (p, n) in reqs.items()}
+            assert outs == alone
+        else:
+            assert max(small) < admitted["L"]  # overtaken by every small one
+    finally:
+        close(llm)

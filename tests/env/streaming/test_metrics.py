@@ -49,7 +49,7 @@ def test_reporter_sends_gauges_and_counter_increments_only_on_change():
     assert out[1] is None and out[5] is None
     first = out[0].data
     assert first["gauges"] == {"pages_total": 100, "pages_in_use": 10, "cached_pages": 0,
-                               "live_requests": 1}
+                               "live_requests": 1, "waiting_requests": 0}
     assert first["counters"] == {}
     assert out[2].data["counters"] == {"prefix_hit_tokens": 64, "prefix_hit_requests": 1}
     assert out[3].data["counters"] == {"failed_host_tier_full": 1}  # increments, not totals

@@ -34,7 +34,7 @@ def _meta(s, out):
 
 def _req(rid, n, max_tokens=4, salt=0):
     return SimpleNamespace(request_id=rid, num_prompt_tokens=n, max_tokens=max_tokens,
-                           prompt_token_ids=[salt * 100 + i for i in range(n)])
+                           prompt_token_ids=[salt * 100 + i for i in range(n)], num_tokens=n)
 
 
 def _out(new=(), cached=(), resumed=(), sched=None):
@@ -62,12 +62,16 @@ def test_admission_anchor_preemption_and_free():
     # step 2: a continues at position 8 -> third block (2), offset 0
     (r,) = _meta(s, _out(cached=[("a", None, 8)], sched={"a": 2})).reqs
     assert r.anchor_slot == 2 * 4 and len(r.pages) == 3
-    # preempted and resumed: all its blocks are new, it recomputes from 0, keeps its pages
+    # preempted after its 10 prompt tokens and one output token: all its blocks are new; it
+    # keeps its pages and reuses the first 8 tokens they hold (page-aligned, the last recomputed)
     pages = list(r.pages)
-    assert s.get_num_new_matched_tokens(a, 0) == (0, False)
-    (r,) = _meta(s, _out(cached=[("a", [7, 3, 6], 0)], resumed=["a"],
-                         sched={"a": 10})).reqs
-    assert r.anchor_slot == 7 * 4 and r.pages == pages and r.new_pages == []
+    a.num_tokens = 11
+    assert s.get_num_new_matched_tokens(a, 0) == (8, False)
+    s.update_state_after_alloc(a, 8)
+    (r,) = _meta(s, _out(cached=[("a", [7, 3, 6], 8)], resumed=["a"],
+                         sched={"a": 3})).reqs
+    assert r.anchor_slot == 6 * 4 and r.pages == pages and r.new_pages == []  # block 8 // 4
+    assert s.stats()["resumed_reuse_tokens"] == 8
     s.finish("a")
     st = s.stats()
     assert st["pages_in_use"] == 0 and st["live_requests"] == 0
@@ -286,3 +290,94 @@ def test_page_tables_reach_the_worker_as_deltas():
     assert m.finished == ["b"] and len(s.worker_tables) == 1
     with pytest.raises(RuntimeError, match="page table of request x is out of step"):
         PageTables().apply(StreamingMetadata(reqs=[ReqStep("x", 8, 1, 0, [3], known_pages=2)]))
+
+
+def test_wait_is_first_come_first_served():
+    """on_host_tier_full="wait": a large request waiting for room keeps its place; small
+    requests that came after it and would fit wait behind it (a stream of them never starves
+    it), and go in once it is admitted; one that leaves the line (aborted) frees its place."""
+    s = _side(num_pages=8, page=4)
+    a = _req("a", 10)  # holds 4 pages (10 prompt + 4 reserved tokens)
+    assert s.get_num_new_matched_tokens(a, 0) == (0, False)
+    s.update_state_after_alloc(a, 0)
+    big, small = _req("big", 16, salt=1), [_req(f"s{i}", 4, salt=2 + i) for i in range(3)]
+    assert s.get_num_new_matched_tokens(big, 0) == (None, False)  # needs 5 of 4 free
+    for r in small:  # 2 pages each would fit in the 4 free pages, but big waits first
+        assert s.get_num_new_matched_tokens(r, 0) == (None, False)
+    assert s.stats()["waiting_requests"] == 4
+    s.finish("a")
+    assert s.get_num_new_matched_tokens(big, 0) == (0, False)  # the head goes in first...
+    s.update_state_after_alloc(big, 0)
+    # 3 pages left: the first small one fits; it keeps its place (its 2 pages) until vLLM
+    # allocates it, so the next one gets only what is left after it
+    assert s.get_num_new_matched_tokens(small[0], 0) == (0, False)
+    assert s.get_num_new_matched_tokens(small[1], 0) == (None, False)
+    # small[0] leaves the line before vLLM allocated it (aborted): the next takes its place
+    s.finish("s0")
+    assert s.get_num_new_matched_tokens(small[1], 0) == (0, False)
+    s.update_state_after_alloc(small[1], 0)
+    assert s.stats()["waiting_requests"] == 1
+
+
+def test_wait_first_come_first_served_control():
+    """The same line with the place-keeping removed (a mutation of _needed_ahead_of): the
+    small requests overtake the large one, as they did before the line existed."""
+    s = _side(num_pages=8, page=4)
+    s._needed_ahead_of = lambda rid: 0
+    a = _req("a", 10)
+    s.update_state_after_alloc(a, 0)
+    assert s.get_num_new_matched_tokens(_req("big", 16, salt=1), 0) == (None, False)
+    assert s.get_num_new_matched_tokens(_req("s0", 4, salt=2), 0) == (0, False)  # overtakes
+
+
+def test_wait_timeout_fails_the_waiting_request_alone():
+    import time
+
+    from kvstack.streaming.config import StreamingConfig
+
+    s = _side(num_pages=8, page=4)
+    s.cfg = StreamingConfig.from_extra({"page_tokens": 4, "on_host_tier_full": "wait",
+                                        "wait_timeout_s": 0.05})
+    a, big = _req("a", 10), _req("big", 16, salt=1)
+    s.update_state_after_alloc(a, 0)
+    assert s.get_num_new_matched_tokens(big, 0) == (None, False)
+    assert s.take_failed() == {}  # waiting, not failed
+    time.sleep(0.06)
+    assert s.get_num_new_matched_tokens(big, 0) == (None, False)
+    failed = s.take_failed()
+    assert list(failed) == ["big"] and "waited" in failed["big"]
+    assert "wait_timeout_s=0.05" in failed["big"]
+    st = s.stats()
+    assert st["wait_timeouts"] == 1 and st["waiting_requests"] == 0 and st["live_requests"] == 1
+    for bad in (0, -1, "soon"):
+        with pytest.raises(ValueError, match="wait_timeout_s"):
+            StreamingConfig.from_extra({"on_host_tier_full": "wait", "wait_timeout_s": bad})
+    with pytest.raises(ValueError, match="'wait' only"):
+        StreamingConfig.from_extra({"on_host_tier_full": "fail", "wait_timeout_s": 5})
+
+
+@pytest.mark.parametrize("case", ["reuse", "layers on the device", "prompt_logprobs", "reset"])
+def test_resumed_request_reuses_its_own_pages(case):
+    """After preemption a request's host pages are still its own: its resume is a hit of the
+    tokens they hold (whole pages, never its last token), unless the layers outside the host
+    tier would need their device KV back, the request must not read a cache, or a cache reset
+    came in between (the pages may hold K/V of older weights)."""
+    s = _side(num_pages=16)
+    if case == "layers on the device":
+        s.layout = s.layout.__class__(**{**s.layout.__dict__, "reuse_ok": False})
+    a = _req("a", 10)
+    s.get_num_new_matched_tokens(a, 0)
+    s.update_state_after_alloc(a, 0)
+    _meta(s, _out(new=[("a", [1, 2, 3, 4], 0)], sched={"a": 10}))
+    _meta(s, _out(cached=[("a", None, 10)], sched={"a": 1}))  # first output token's K/V
+    a.num_tokens = 12  # 10 prompt + 2 outputs: 11 tokens' K/V in its pages
+    if case == "prompt_logprobs":
+        a.skip_reading_prefix_cache = True
+    if case == "reset":
+        s.reset_cache()
+    want = 8 if case == "reuse" else 0
+    assert s.get_num_new_matched_tokens(a, 0) == (want, False)
+    assert s.get_num_new_matched_tokens(a, 8) == (0, False)  # vLLM's own cache had as much
+    s.update_state_after_alloc(a, want)
+    st = s.stats()
+    assert (st["resumed_reuse_requests"], st["resumed_reuse_tokens"]) == (int(want > 0), want)

@@ -118,7 +118,8 @@ def test_new_engine_process_reuses_a_long_prefix_from_the_backend(backend, model
             # TTFT from the backend vs recompute: the better of B's two hits (B1, B3: the same
             # fetch and restore) against the better of R's recomputes. Printed, not asserted: a
             # CI run on a loaded 2-core machine once measured 37 ms vs 349 ms (9.5x) where idle
-            # runs gave 19.4x-19.6x; the speed-up is a bench figure (README), the hit is asserted
+            # runs gave 19.4x-19.6x; the speed-up is a bench figure (docs/streaming-usage.md), the
+            # hit is asserted
             hit_ttft = min(rb["ttft"][0], rb["ttft"][1])
             best_ref = min(reference["ttft"])
             print(f"[{backend}] best hit TTFT {hit_ttft * 1e3:.0f} ms vs best recompute "
