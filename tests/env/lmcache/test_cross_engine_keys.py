@@ -4,7 +4,7 @@
 LMCache keys a chunk by `pre_caching_hash_algorithm`, whose stock default ("builtin", Python's
 `hash()`) is salted per process unless PYTHONHASHSEED is set: two engines then never hit each
 other's chunks. kvstack's LMCache patch "token database: chunk keys from a digest by default"
-(0008 on 0.32, 0006 on 0.25) makes the default a digest of the token ids (vLLM's sha256_cbor).
+(0012 on 0.32, 0009 on 0.25) makes the default a digest of the token ids (vLLM's sha256_cbor).
 
 Engine A runs with PYTHONHASHSEED unset and exits; engine B, a new process with no local tier and
 its engine KV wiped before each prompt, runs once with the variable unset and once set to another

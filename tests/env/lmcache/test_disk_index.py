@@ -1,5 +1,5 @@
 """Unit level: LMCache's LocalDiskBackend indexes the chunk files an earlier process left
-(patches/lmcache/0003). No engine: backends are built directly on a temporary folder, and a
+(LMCache patch 0007 on base 0.32, 0006 on 0.25). No engine: backends are built directly on a temporary folder, and a
 "new process" is a new backend object on the same folder (the index is rebuilt from the files only).
 """
 
@@ -25,7 +25,7 @@ from lmcache.v1.metadata import LMCacheMetadata  # noqa: E402
 from lmcache.v1.storage_backend import local_disk_backend as ldb  # noqa: E402
 
 if not hasattr(ldb, "_SIDECAR_SUFFIX"):
-    pytest.fail("patches/lmcache/0003 (disk index) is not applied to the installed LMCache")
+    pytest.fail("LMCache patch 0007/0006 (disk index) is not applied to the installed LMCache")
 
 CHUNK = 32
 LAYERS, HEADS, HEAD = 2, 2, 8

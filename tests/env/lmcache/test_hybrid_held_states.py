@@ -1,4 +1,4 @@
-"""States held between a hybrid request's lookup and its load (LMCache 0002, issue 29): bounded by
+"""States held between a hybrid request's lookup and its load (LMCache 0005, issue 29): bounded by
 count and by bytes, oldest dropped first, and safe to hold from the lookup server's thread while
 the scheduler takes them."""
 

@@ -1,4 +1,4 @@
-"""LMCache patch 0004: the vLLM detector refuses rank-4 KV caches it would mis-detect.
+"""LMCache patch 0007 (0008 on base 0.32): the vLLM detector refuses rank-4 KV caches it would mis-detect.
 
 Real CPU tensors go through LMCache's own ``detect_format`` (contiguous-view permute, then
 the vLLM detector). Packed K|V caches (NHD/HND, bf16/fp8) and the 0.25.1 5-D layouts are

@@ -21,7 +21,7 @@ the default 300 makes a missing server a 5-minute hang).
 - Tiny Qwen3-Next (hybrid): LMCache's MP connector serves Mamba/GDN layers only with
   mamba_cache_mode="align" (vLLM then needs prefix caching on). Same checks; vLLM's own prefix cache
   is reset before each prompt (and the reset checked), so a hit is LMCache's. On LMCache 0.5.6
-  (base 0.32, kvstack LMCache patches 0005-0006: `auto` takes the lmcache-driven transfer for more
+  (base 0.32, kvstack LMCache patches 0009-0010: `auto` takes the lmcache-driven transfer for more
   than one KV group, the CPU storage is shared in place, padded pages are served) it must pass: a
   NEW engine gets the hit, its own GDN state views change at the load, same tokens; a control
   engine that overwrites the loaded state with noise gives other tokens. LMCache 0.5.3 (base 0.25)
@@ -51,7 +51,7 @@ PROMPT_QWEN = [(i * 37) % 900 + 3 for i in range(700)]  # 2 whole 288-token chun
 
 # LMCache's own refusals of hybrid KV cache groups on a CPU worker (message, explanation); an xfail
 # only where the installed LMCache predates 0.5.6 (base 0.25). The 0.5.6 entries are the gaps
-# kvstack's LMCache patches 0005-0006 close, kept to name them should they come back.
+# kvstack's LMCache patches 0009-0010 close, kept to name them should they come back.
 KNOWN_LIMITS = [
     (r"engine-driven transfer does not support multiple KV transfer groups",
      "LMCache 0.5.6: the CPU worker's engine-driven transfer (the only one a CPU worker gets by "
@@ -301,7 +301,7 @@ if __name__ != "__main__":
         assert b["cached"] == [192], b["cached"]
 
     def _lmcache_serves_hybrid_on_cpu() -> bool:
-        """LMCache 0.5.6 with kvstack's patch 0005 (base 0.32) serves hybrid models on a CPU
+        """LMCache 0.5.6 with kvstack's patch 0009 (base 0.32) serves hybrid models on a CPU
         worker through the MP route; 0.5.3 (base 0.25) refuses them (KNOWN_LIMITS)."""
         from importlib.metadata import version
 

@@ -1,7 +1,7 @@
 """A request's `cache_salt` and LoRA adapter in its LMCache chunk keys (issue 27, point 3).
 
 kvstack's LMCache patch "vLLM adapter: a request's cache_salt and LoRA adapter in its chunk keys"
-(0009 on 0.32, 0007 on 0.25) gives the in-process adapter's key configs two tags besides the
+(0013 on 0.32, 0010 on 0.25) gives the in-process adapter's key configs two tags besides the
 request's `lmcache.tag.*` kv_transfer_params: `lmcache.tag.salt` (a digest of `cache_salt`) and
 `lmcache.tag.lora` (a digest of the adapter's name and path). `CacheEngineKey` holds the tags, so
 chunk keys, and the hybrid state keys made from them, differ where vLLM's own prefix cache keeps

@@ -4,7 +4,7 @@ unset that share only a `redis-server` on 127.0.0.1 share a prefix, as a user ru
 LMCache keys a chunk by `pre_caching_hash_algorithm`, whose stock default ("builtin", Python's
 `hash()` with a first prefix hash vLLM draws per process unless PYTHONHASHSEED is set) differs in
 every process: two servers never hit each other's chunks. kvstack's LMCache patch "token database:
-chunk keys from a digest by default" (0008 on 0.32, 0006 on 0.25) keys chunks by `sha256_cbor` of
+chunk keys from a digest by default" (0012 on 0.32, 0009 on 0.25) keys chunks by `sha256_cbor` of
 the token ids. tests/env/lmcache/test_cross_engine_keys.py checks it on the offline engine; this is
 the same through the OpenAI server, where vLLM reports the hit to the client
 (`usage.prompt_tokens_details.cached_tokens`, with `--enable-prompt-tokens-details`).
@@ -28,7 +28,7 @@ per-process salt), Qwen3-Next with PYTHONHASHSEED=12345, and the `builtin` contr
   Qwen3-Next server wrote is a miss on the llama server (the model name is in LMCache's key); the
   same `cache_salt` shares. Another `cache_salt`, or a salt on a prompt stored without one, does
   not share: kvstack's LMCache patch "vLLM adapter: a request's cache_salt and LoRA adapter in its
-  chunk keys" (0009 on 0.32, 0007 on 0.25) puts a digest of the salt (and of the LoRA adapter)
+  chunk keys" (0013 on 0.32, 0010 on 0.25) puts a digest of the salt (and of the LoRA adapter)
   into every chunk key as a tag (stock LMCache leaves both out, and such requests shared a prefix:
   96 cached tokens). The LoRA tag is unit-tested only (tests/env/lmcache/test_request_keys.py):
   the tiny models have no adapters.
