@@ -11,6 +11,11 @@ LMCache, and the torch they were built against). Each base has its own pins and 
 
 Which base is in effect: the `base=` argument, else `$KVSTACK_BASE`, else `bases/default`.
 `base_for_versions` picks the base whose pins match an installed vLLM/LMCache pair.
+
+Where bases/ and patches/ are read from (DATA_ROOT): the checkout (REPO_ROOT: the scripts, an
+editable install) or, in an installed kvstack wheel, the package itself, which carries bases/ and
+patches/ as package data (kvstack/bases/<base>/*.env, kvstack/patches/<base>/<component>/; see
+pyproject.toml), so `kvstack doctor` works without the checkout.
 """
 
 from __future__ import annotations
@@ -21,6 +26,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+# An installed wheel: bases/ and patches/ are package data of kvstack (the checkout has no kvstack/bases).
+PACKAGE_DATA_ROOT = Path(__file__).resolve().parents[1]
+
+
+def data_root() -> Path:
+    """The folder holding bases/ and patches/: the installed package's data when it carries them (a
+    wheel), else the checkout (unchanged there: kvstack/bases does not exist in a checkout)."""
+    if (PACKAGE_DATA_ROOT / "bases" / "default").is_file():
+        return PACKAGE_DATA_ROOT
+    return REPO_ROOT
+
+
+DATA_ROOT = data_root()
 COMPONENTS = ("vllm", "lmcache")
 BASE_ENV = "KVSTACK_BASE"
 
@@ -50,13 +68,13 @@ def _version_key(text: str) -> tuple:
     return tuple(int(x) for x in re.findall(r"\d+", text))
 
 
-def base_names(root: Path = REPO_ROOT) -> list[str]:
+def base_names(root: Path = DATA_ROOT) -> list[str]:
     """Every base in bases/, oldest first."""
     found = [p.name for p in (root / "bases").iterdir() if p.is_dir() and (p / "vllm.env").is_file()]
     return sorted(found, key=_version_key)
 
 
-def default_base(root: Path = REPO_ROOT) -> str:
+def default_base(root: Path = DATA_ROOT) -> str:
     """$KVSTACK_BASE when set, else the name in bases/default."""
     name = os.environ.get(BASE_ENV) or (root / "bases" / "default").read_text().strip()
     if name not in base_names(root):
@@ -70,7 +88,7 @@ class Pin:
     component: str
     values: dict
     base: str
-    root: Path = REPO_ROOT
+    root: Path = DATA_ROOT
 
     @property
     def project(self) -> str:
@@ -105,7 +123,7 @@ class Pin:
         return self.values.get(key, default)
 
 
-def load_pin(component: str, base: str | None = None, root: Path = REPO_ROOT) -> Pin:
+def load_pin(component: str, base: str | None = None, root: Path = DATA_ROOT) -> Pin:
     if component not in COMPONENTS:
         raise ValueError(f"unknown component {component!r} (known: {', '.join(COMPONENTS)})")
     base = base or default_base(root)
@@ -126,7 +144,7 @@ class Base:
         return f"{self.name} (vLLM {self.pins['vllm'].version} + LMCache {self.pins['lmcache'].version})"
 
 
-def load_base(name: str | None = None, root: Path = REPO_ROOT) -> Base:
+def load_base(name: str | None = None, root: Path = DATA_ROOT) -> Base:
     name = name or default_base(root)
     return Base(name, {c: load_pin(c, name, root) for c in COMPONENTS})
 
@@ -139,7 +157,7 @@ def release_of(version: str | None) -> str | None:
     return m.group(0) if m else version
 
 
-def base_for_versions(versions: dict[str, str | None], root: Path = REPO_ROOT) -> Base | None:
+def base_for_versions(versions: dict[str, str | None], root: Path = DATA_ROOT) -> Base | None:
     """The base whose pins equal every given (component -> installed version); None if none does.
     Components given as None (not installed) are not compared."""
     for name in reversed(base_names(root)):
@@ -149,6 +167,6 @@ def base_for_versions(versions: dict[str, str | None], root: Path = REPO_ROOT) -
     return None
 
 
-def bases_summary(root: Path = REPO_ROOT) -> str:
+def bases_summary(root: Path = DATA_ROOT) -> str:
     """'0.25 (vLLM 0.25.1 + LMCache 0.5.3), 0.32 (vLLM 0.32.0 + LMCache 0.5.6)'."""
     return ", ".join(load_base(n, root).label for n in base_names(root))

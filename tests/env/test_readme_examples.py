@@ -52,6 +52,13 @@ COVERED = {
                 "tests/env/server/test_readme_commands.py", ["vllm serve", "lmcache_server"]),
     "container image": (lambda b: "buildah" in b,
                         "tests/env/test_image_build.py", ["make_base_image.sh", "docker_build.sh"]),
+    # README.md, "Install", "Your own vLLM + LMCache": run line by line in a fresh venv (it asserts the
+    # block equals its steps)
+    "own install": (lambda b: "apply_patches.sh --site-packages" in b,
+                    "tests/env/test_own_install.py",
+                    ["apply_patches.sh --site-packages", "pip install --no-deps .",
+                     "pip uninstall -y torchvision torchaudio torchcodec", "kvstack doctor && vllm --version",
+                     "test_readme_block_is_what_this_test_runs"]),
     # docs/hybrid-lmcache.md, "Two routes": the LMCache MP server + an engine with LMCacheMPConnector
     "LMCache multi-process route": (lambda b: "lmcache.v1.multiprocess.server" in b,
                                     "tests/env/lmcache/test_mp_route.py",
