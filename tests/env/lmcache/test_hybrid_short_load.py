@@ -8,7 +8,7 @@ and hybrid states at 256, 512, 768); a prompt extending it hits 768 tokens and, 
 and its load, the chunk 512-768 is removed from LMCache (fault_site/sitecustomize.py, in the engine
 core process): the load comes back one chunk short. With kv_load_failure_policy="recompute" (vLLM's
 default, "fail", fails the request alone) vLLM 0.32 patch 0009 recomputes the request from token 0 and
-LMCache 0010 saves nothing in the failed step; the request's tokens equal a run without
+LMCache 0014 saves nothing in the failed step; the request's tokens equal a run without
 LMCache, the engine serves on, and a repeat of the prompt hits again with exact tokens. The same with
 a retrieve that raises. Negative control: the same run with vLLM 0009 taken out (an overlay) dies.
 """
@@ -37,8 +37,8 @@ sys.path.insert(0, str(HERE))
 
 from kvtest import on_default_base  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not on_default_base(), reason="issue 29 point 1: base 0.32 only so far "
-                                "(vLLM 0.32 patch 0009, LMCache 0.32 patch 0010)")
+short_load_base = pytest.mark.skipif(not on_default_base(), reason="issue 29 point 1: base 0.32 only so far "
+                                "(vLLM 0.32 patch 0009, LMCache 0.32 patch 0014)")
 
 CHUNK = 256
 PREFIX = [(i * 37) % 900 + 3 for i in range(1000)]  # chunks 0-256, 256-512, 512-768 (+ a partial one)
@@ -59,7 +59,8 @@ def qwen_model(tmp_path_factory):
                                  tmp_path_factory.mktemp("qwen-long") / "model")
 
 
-def run(model_dir: Path, prompts, tmp: Path, *, faults=None, lmcache=True, env=None) -> dict:
+def run(model_dir: Path, prompts, tmp: Path, *, faults=None, lmcache=True, env=None,
+        extra_args=()) -> dict:
     tmp.mkdir(parents=True, exist_ok=True)
     (tmp / "prompts.json").write_text(json.dumps(prompts))
     cmd = [sys.executable, str(HERE / "short_load_run.py"), "--model-dir", str(model_dir),
@@ -69,6 +70,7 @@ def run(model_dir: Path, prompts, tmp: Path, *, faults=None, lmcache=True, env=N
         cmd += ["--faults", str(tmp / "faults.json")]
     if lmcache:
         cmd.append("--lmcache")
+    cmd += list(extra_args)
     full_env = {**os.environ, "PYTHONHASHSEED": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
                 "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "HF_HUB_OFFLINE": "1",
                 "LMCACHE_CHUNK_SIZE": str(CHUNK), "LMCACHE_DISABLE_BANNER": "1",
@@ -121,6 +123,7 @@ def baseline(qwen_model, tmp_path_factory):
     return dict(zip(["PREFIX", "EXT", "OTHER", "EXT2"], out["tokens"]))
 
 
+@short_load_base
 def test_short_and_failed_loads_recompute_and_the_engine_serves_on(qwen_model, baseline, tmp_path):
     t0 = time.monotonic()
     out = run(qwen_model, [PREFIX, EXT, OTHER, EXT, EXT2, EXT2], tmp_path,
@@ -152,6 +155,7 @@ def test_short_and_failed_loads_recompute_and_the_engine_serves_on(qwen_model, b
     print(f"fault run: {time.monotonic() - t0:.1f} s")
 
 
+@short_load_base
 def test_negative_control_stock_scheduler_dies(qwen_model, tmp_path):
     """vLLM 0.32 patch 0009 taken out (the rest of the series and LMCache's patches kept): the
     short load stops the engine core."""
@@ -210,6 +214,7 @@ def _req(req_id, num_computed, block_ids, status=None):
     return _Req(req_id, num_computed, block_ids, status or RequestStatus.RUNNING)
 
 
+@short_load_base
 def test_unit_scheduler_recomputes_from_zero_only_the_requests_that_hold_an_invalid_block():
     # group 0: attention (block 32), group 1: a GDN group; "a" loaded 96 tokens (blocks 5, 6, 7)
     # and ran 32 more this step; "b" holds none of the invalid blocks; "c" shares block 6 with "a"
@@ -231,6 +236,7 @@ def test_unit_scheduler_recomputes_from_zero_only_the_requests_that_hold_an_inva
     assert sched._handle_invalid_blocks({42}, {"d": 32}) == set()  # 32 prior tokens: block 40 only
 
 
+@short_load_base
 def test_unit_scheduler_fail_policy_and_async_loads():
     from vllm.v1.request import RequestStatus
 
@@ -243,3 +249,27 @@ def test_unit_scheduler_fail_policy_and_async_loads():
     assert sched._handle_invalid_blocks({10}, {}) == set()
     assert w.num_computed_tokens == 0 and sched.failed_recving_kv_req_ids == {"w"}
     assert w.skip_reading_prefix_cache and evicted == set()  # freed once its transfer ends
+
+
+def test_corrupted_state_is_refused_and_the_hit_shortened(qwen_model, baseline, tmp_path):
+    """A new engine process (no state of its own in memory) whose first hybrid state read from
+    LMCache's storage (local disk, written by another process) comes back damaged, 64 bytes
+    short: the state is refused (its checksum fails), the hit ends before it, and the request
+    recomputes the rest with the tokens of a run without LMCache; the engine serves on and the
+    repeat, whose read is intact, hits the prefix with exact tokens. Both bases (nothing here
+    needs vLLM 0009: a refused state shortens the hit at lookup, no load fails)."""
+    disk = {"LMCACHE_LOCAL_CPU": "False", "LMCACHE_MAX_LOCAL_CPU_SIZE": "0.5",
+            "LMCACHE_LOCAL_DISK": f"file://{tmp_path / 'disk'}/", "LMCACHE_MAX_LOCAL_DISK_SIZE": "1"}
+    a = run(qwen_model, [PREFIX], tmp_path / "a", env=disk)
+    assert a["error"] is None and a["tokens"] == [baseline["PREFIX"]]
+    b = run(qwen_model, [EXT, EXT], tmp_path / "b", env=disk, faults=["corrupt", None])
+    log = b["log"]
+    assert b["error"] is None, b["error"] + "\n" + log[-6000:]
+    assert len(b["faults"]) == 1 and b["faults"][0].startswith("corrupt"), b["faults"]
+    p0, p1 = prompt_log(log, 0), prompt_log(log, 1)
+    assert "rejected (checksum mismatch): treated as a miss" in p0, p0[-3000:]
+    assert "restored hybrid state at 768" not in p0, p0[-3000:]
+    print("prompt 0 hits:", hits(p0), "cached:", b["cached"])
+    assert b["cached"][0] < 768
+    assert b["tokens"] == [baseline["EXT"], baseline["EXT"]]
+    assert b["cached"][1] >= 768 and "restored hybrid state at" in p1, p1[-3000:]

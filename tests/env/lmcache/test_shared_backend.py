@@ -7,6 +7,7 @@ a real server on 127.0.0.1 that the test starts and stops: `lmcache_server` (LMC
 and exits; engine B, a new process with no local tier, restores K/V + state from the server and gives the
 tokens of a run without any connector; engine C loses the server mid-run (the server's process
 group is killed between its two prompts) and must recompute with the same tokens and a warning.
+Negative control (redis): B's run with the restored states zeroed must give other tokens.
 """
 
 from __future__ import annotations
@@ -37,6 +38,15 @@ def test_second_engine_process_restores_kv_and_state_from_the_backend(backend, q
                        wipe=True, env=remote)
         assert b["hits"] == [64, 64] and b["restored"] == [64, 64], b
         assert b["tokens"] == [qwen_baseline["A"], qwen_baseline["EXT"]]
+
+        if backend == "redis":
+            # Negative control (one backend is enough: the restore path after the fetch is the
+            # same): B's run with every restored state zeroed gives other tokens, so the equal
+            # tokens above say the restored state is right, not merely that the model ignores it.
+            z = run_engine(model, "qwen3next", [PROMPT_A, PROMPT_EXT], tmp_path / "z", lmcache=True,
+                           wipe=True, env=remote, extra_args=["--zero-restored-state"])
+            assert z["restored"] == [64, 64], z
+            assert z["tokens"] != [qwen_baseline["A"], qwen_baseline["EXT"]], z
 
         # C: the server dies between its two prompts: the second is recomputed, same tokens.
         c = run_engine(model, "qwen3next", [PROMPT_A, PROMPT_EXT], tmp_path / "c", lmcache=True,

@@ -1,11 +1,15 @@
 """Put on PYTHONPATH of a test's engine process (and so of its engine core process, forked or
 spawned): installs $KVSTACK_OVERLAY (kvstack.release.overlay) before vLLM is imported, and, with
-$KVSTACK_FAULT_FLAG set, a fault in LMCache's LMCacheEngine.retrieve, armed by that file.
+$KVSTACK_FAULT_FLAG set, a fault in LMCache's LMCacheEngine.retrieve or in the hybrid state read
+from LMCache's storage, armed by that file.
 
-The flag file holds "drop" or "raise"; the next retrieve consumes it (one fault per arming):
+The flag file holds "drop", "raise" or "corrupt"; the next retrieve (drop, raise) or state read
+(corrupt) consumes it (one fault per arming):
 - drop: removes the last chunk of the retrieve from LMCache's storage (as an eviction between the
   request's lookup and its load would), then retrieves: the load comes back one chunk short;
-- raise: raises RuntimeError (a failing backend).
+- raise: raises RuntimeError (a failing backend);
+- corrupt: the next hybrid state read from the storage comes back 64 bytes short (a damaged object,
+  as a backend could return it; the stored object itself is left intact).
 Each fault is appended to $KVSTACK_FAULT_LOG as one line.
 """
 
@@ -27,6 +31,7 @@ if os.environ.get("KVSTACK_OVERLAY") and not any(m == "vllm" or m.startswith("vl
 FLAG = os.environ.get("KVSTACK_FAULT_FLAG")
 LOG = os.environ.get("KVSTACK_FAULT_LOG")
 TARGET = "lmcache.v1.cache_engine"
+STATE_TARGET = "lmcache.integration.vllm.hybrid_state"
 
 
 def _log(line: str) -> None:
@@ -35,10 +40,13 @@ def _log(line: str) -> None:
             f.write(line + "\n")
 
 
-def _take_fault() -> str | None:
+def _take_fault(kinds: tuple[str, ...]) -> str | None:
+    """The armed fault if it is one of `kinds` (then disarmed), else None."""
     try:
         with open(FLAG) as f:
             fault = f.read().strip()
+        if fault not in kinds:
+            return None
         os.unlink(FLAG)
     except OSError:
         return None
@@ -52,7 +60,7 @@ def _patch(module) -> None:
         return
 
     def faulty_retrieve(self, tokens, mask=None, **kwargs):
-        fault = _take_fault()
+        fault = _take_fault(("drop", "raise"))
         if fault == "raise":
             _log(f"raise pid={os.getpid()} tokens={len(tokens)}")
             raise RuntimeError("kvstack test: injected backend failure")
@@ -68,11 +76,29 @@ def _patch(module) -> None:
     engine_cls.retrieve = faulty_retrieve
 
 
+def _patch_state(module) -> None:
+    decode = module.decode_state
+    if getattr(decode, "_kvstack_fault", False):
+        return
+
+    def damaged_decode(blob, *args, **kwargs):
+        if _take_fault(("corrupt",)) == "corrupt":
+            _log(f"corrupt pid={os.getpid()} bytes={len(blob)}")
+            blob = blob[:-64]
+        return decode(blob, *args, **kwargs)
+
+    damaged_decode._kvstack_fault = True
+    module.decode_state = damaged_decode
+
+
 class _Hook(importlib.abc.MetaPathFinder):
-    """Patches TARGET once it is imported (whoever imports it first)."""
+    """Patches `target` once it is imported (whoever imports it first)."""
+
+    def __init__(self, target: str, patch):
+        self.target, self.patch = target, patch
 
     def find_spec(self, fullname, path=None, target=None):
-        if fullname != TARGET:
+        if fullname != self.target:
             return None
         import importlib.util
 
@@ -84,11 +110,12 @@ class _Hook(importlib.abc.MetaPathFinder):
 
         def exec_and_patch(module):
             exec_module(module)
-            _patch(module)
+            self.patch(module)
 
         spec.loader.exec_module = exec_and_patch
         return spec
 
 
 if FLAG:
-    sys.meta_path.insert(0, _Hook())
+    sys.meta_path.insert(0, _Hook(TARGET, _patch))
+    sys.meta_path.insert(0, _Hook(STATE_TARGET, _patch_state))
