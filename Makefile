@@ -1,9 +1,10 @@
 # kvstack: the two commands a newcomer runs are `make demo` and `make test` (see README.md).
 SHELL := /bin/bash
 .SHELLFLAGS := -euo pipefail -c
-# The base (bases/<name>: a vLLM + LMCache pair, its pins and series). BASE=0.25 works on the other one.
-DEFAULT_BASE := $(shell cat bases/default)
-BASES := $(sort $(notdir $(patsubst %/vllm.env,%,$(wildcard bases/*/vllm.env))))
+# The base (a vLLM + LMCache pair: its pins vllm/<name>.env + lmcache/<name>.env, its series patches/<name>/;
+# vllm/default names the default). BASE=0.25 works on the other one.
+DEFAULT_BASE := $(shell cat vllm/default)
+BASES := $(sort $(basename $(notdir $(wildcard vllm/*.env))))
 OTHER_BASES := $(filter-out $(DEFAULT_BASE),$(BASES))
 BASE ?= $(DEFAULT_BASE)
 export KVSTACK_BASE := $(BASE)
@@ -58,7 +59,7 @@ matrix: ## the whole regression matrix, published to ci/REPORT.md and ci/matrix.
 env: fetch apply ## build the CPU environment of BASE ($(VENV)) with its stack applied; idempotent
 	KVSTACK_VENV=$(VENV) scripts/build_env.sh --base $(BASE)
 
-fetch: ## download (cached), verify sha256 and unpack BASE's sdists into upstream/<base>/
+fetch: ## download (cached), verify sha256 and unpack BASE's sdists into vllm/src/<base>/, lmcache/src/<base>/
 	scripts/fetch_sources.sh --base $(BASE)
 
 apply: fetch ## apply BASE's patch stack to its fetched trees (all-or-nothing, idempotent)
@@ -81,5 +82,6 @@ image-cpu: ## build BASE's cpu image (Docker with BuildKit, Podman or Buildah; B
 image-cuda: ## build BASE's cuda image (Docker with BuildKit, Podman or Buildah; BUILDER=, BASE_IMAGE=, CA_CERT=)
 	scripts/docker_build.sh --target cuda $(IMAGE_ARGS)
 
+# The fetched trees: vllm/src, lmcache/src (and upstream, where a checkout from before the move kept them).
 clean: ## remove the venvs, fetched trees and build outputs (the download cache stays)
-	rm -rf .venv $(addprefix .venv-,$(OTHER_BASES)) upstream build
+	rm -rf .venv $(addprefix .venv-,$(OTHER_BASES)) vllm/src lmcache/src upstream build

@@ -2,8 +2,8 @@
 """Run kvstack's regression matrix (the patch stack x upstream releases x suites).
 
 Needs only the system python3 (>= 3.11, for tomllib) for `--suites apply`: no vLLM, no venv.
-Axes: ci/matrix.toml and bases/. Library and documentation: the kvstack/matrix/ package (its
-__init__ says which module holds what). `--help` for options; `--propose-base` for a pin bump.
+Axes: ci/matrix.toml and the bases' pins (vllm/<base>.env, lmcache/<base>.env). Library and
+documentation: the kvstack/matrix/ package (its __init__ says which module holds what). `--help` for options; `--propose-base` for a pin bump.
 """
 
 import sys

@@ -5,7 +5,8 @@
 #
 #   scripts/build_env.sh [--base NAME] [--venv DIR] [--python PY] [--deps-only]
 #
-# --base NAME  the base to build (bases/NAME: its pins and series; default $KVSTACK_BASE or bases/default)
+# --base NAME  the base to build (vllm/NAME.env, lmcache/NAME.env: its pins; patches/NAME/: its series;
+#              default $KVSTACK_BASE, else vllm/default)
 # --deps-only  stop after the pinned wheels and their requirements (steps 1-3): the image's first,
 #              cached layer, which depends only on the pin files and these scripts.
 # Environment: KVSTACK_VENV (default .venv), KVSTACK_CACHE (default ~/.cache/kvstack), PYTHON,
@@ -24,7 +25,7 @@ while [ $# -gt 0 ]; do
     --venv) venv="$2"; shift 2;;
     --python) python="$2"; shift 2;;
     --deps-only) deps_only=1; shift;;
-    -h|--help) sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 0;;
+    -h|--help) sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; exit 0;;
     *) echo "error: unknown argument $1 (see --help)" >&2; exit 2;;
   esac
 done
@@ -36,7 +37,7 @@ step() { printf '[build_env] %s\n' "$*" >&2; }
 . "$root/scripts/lib_base.sh"
 resolve_base "$base_arg"
 # The default base's venv is .venv; another base's is .venv-<base>.
-[ -n "$venv" ] || { if [ "$base" = "$(cat "$root/bases/default")" ]; then venv="$root/.venv"; else venv="$root/.venv-$base"; fi; }
+[ -n "$venv" ] || { if [ "$base" = "$(cat "$root/vllm/default")" ]; then venv="$root/.venv"; else venv="$root/.venv-$base"; fi; }
 
 # Quiet pip, without the local-index noise of some machines.
 # pip_q, fetch_wheel, requires: shared with the image's install script.

@@ -6,7 +6,7 @@
 #   scripts/check_python.sh [--base NAME] PYTHON   e.g. python3.11 (a name looked up on PATH) or /usr/bin/python3.11
 #
 # --base NAME  the kvstack base whose pinned torch wheel the message names (default $KVSTACK_BASE, else
-#              bases/default; the message leaves it out when the base's pin file is not there).
+#              vllm/default; the message leaves it out when the base's pin file is not there).
 # Exit codes: 0 ok, 2 missing (the message says what: the interpreter, or its venv/ensurepip module).
 set -euo pipefail
 base="${KVSTACK_BASE:-}"
@@ -17,11 +17,12 @@ case "${1:-}" in
 esac
 python="$1"
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-# What the pins need, for the message (bases/ is beside this script in the repo and the image).
-[ -n "$base" ] || [ ! -f "$root/bases/default" ] || base=$(cat "$root/bases/default")
+# What the pins need, for the message (vllm/, whose pins hold torch's, is beside this script in the
+# repo and the image).
+[ -n "$base" ] || [ ! -f "$root/vllm/default" ] || base=$(cat "$root/vllm/default")
 need=""
-if [ -n "$base" ] && [ -f "$root/bases/$base/vllm.env" ]; then
-  need=$(sed -n 's/^TORCH_WHEEL=//p' "$root/bases/$base/vllm.env")
+if [ -n "$base" ] && [ -f "$root/vllm/$base.env" ]; then
+  need=$(sed -n 's/^TORCH_WHEEL=//p' "$root/vllm/$base.env")
   [ -z "$need" ] || need=" (base $base: the pinned torch wheel is $need)"
 fi
 others=$(for p in python3 python; do

@@ -8,8 +8,8 @@
 #                           [--ca-cert FILE] [--wheelhouse DIR | --no-wheelhouse]
 #                           [--source URL] [--deps-only] [--print] [-- EXTRA BUILD ARGS...]
 #
-# --base            the kvstack base (bases/NAME: its pins and patch series; build arg KVSTACK_BASE);
-#                   default $KVSTACK_BASE, else bases/default. An unknown base is an error (exit 2).
+# --base            the kvstack base (vllm/NAME.env + lmcache/NAME.env: its pins, patches/NAME/: its series;
+#                   build arg KVSTACK_BASE); default $KVSTACK_BASE, else vllm/default. An unknown base is an error (exit 2).
 # --target          cuda (default) or cpu (see the Dockerfile's header)
 # --tag             image name (default kvstack:<version>-<base>-<target>, e.g. kvstack:0.1.0-0.25-cpu)
 # --base-image      the container's base image for that target (sets CUDA_BASE_IMAGE / CPU_BASE_IMAGE): a
@@ -81,7 +81,7 @@ choose_builder "$builder" "$((1 - print))"
 # shellcheck source=scripts/lib_base.sh
 . "$root/scripts/lib_base.sh"
 case "$base_arg" in
-  */*|*:*|*@*) die "--base names a kvstack base (bases/NAME, e.g. $(cat "$root/bases/default")), not '$base_arg': the container's base image is --base-image";;
+  */*|*:*|*@*) die "--base names a kvstack base (vllm/NAME.env, e.g. $(cat "$root/vllm/default")), not '$base_arg': the container's base image is --base-image";;
 esac
 resolve_base "$base_arg"
 [ -z "$ca_cert" ] || [ -f "$ca_cert" ] || die "--ca-cert $ca_cert: no such file"

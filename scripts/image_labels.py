@@ -4,8 +4,8 @@
     scripts/image_labels.py [--base NAME] [--target cuda|cpu] [--format labels|json] [--site-packages DIR]
                             [--revision SHA] [--source URL] [--out FILE]
 
---base NAME      the kvstack base the image is built on (bases/NAME, patches/NAME/); default
-                 $KVSTACK_BASE, else bases/default
+--base NAME      the kvstack base the image is built on (vllm/NAME.env, lmcache/NAME.env,
+                 patches/NAME/); default $KVSTACK_BASE, else vllm/default
 
 --format labels  one KEY=VALUE line per image label (scripts/docker_build.sh passes each as --label)
 --format json    the same labels plus the patch list as a JSON object (install_image.sh writes it into
@@ -16,8 +16,8 @@
 
 Labels: org.opencontainers.image.{title,description,licenses,version,source,revision},
 kvstack.target, kvstack.base (the base's name), kvstack.base.label (e.g. "0.25 (vLLM 0.25.1 + LMCache
-0.5.3)"), kvstack.pin.<component>.<key> for every KEY=VALUE of bases/<base>/vllm.env and
-bases/<base>/lmcache.env (keys lower-cased, '_' -> '-'), kvstack.patches (JSON list: component, patch, subject, upstream status),
+0.5.3)"), kvstack.pin.<component>.<key> for every KEY=VALUE of vllm/<base>.env and
+lmcache/<base>.env (keys lower-cased, '_' -> '-'), kvstack.patches (JSON list: component, patch, subject, upstream status),
 kvstack.patches.count, kvstack.sbom (path of the pip-inspect SBOM inside the image).
 Exit codes: 0 ok, 2 usage error (an unknown base included).
 """
@@ -101,7 +101,7 @@ def labels(target: str, revision: str, source: str, patches: list[dict], base: s
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="scripts/image_labels.py", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--base", help="the kvstack base (default: $KVSTACK_BASE, else bases/default)")
+    ap.add_argument("--base", help="the kvstack base (default: $KVSTACK_BASE, else vllm/default)")
     ap.add_argument("--target", choices=TARGETS, default="cuda")
     ap.add_argument("--format", choices=("labels", "json"), default="labels")
     ap.add_argument("--site-packages", type=Path)

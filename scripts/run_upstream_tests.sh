@@ -9,11 +9,11 @@
 #   scripts/run_upstream_tests.sh --quick         # test_kv_cache_utils.py only (about a minute)
 #   scripts/run_upstream_tests.sh tests/v1/kv_connector/unit/test_nixl_connector.py -k hash
 #
-# Environment: KVSTACK_BASE (default bases/default; --base wins), KVSTACK_VENV (default .venv for the
+# Environment: KVSTACK_BASE (default vllm/default; --base wins), KVSTACK_VENV (default .venv for the
 # default base, .venv-<base> for another): the venv whose python runs the tests (--python wins).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-default_base="$(cat "$root/bases/default")"
+default_base="$(cat "$root/vllm/default")"
 base="${KVSTACK_BASE:-$default_base}" python=""
 args=("$@")
 for ((i = 0; i < ${#args[@]}; i++)); do

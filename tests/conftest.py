@@ -19,7 +19,7 @@ from kvstack.release.pins import BASE_ENV, base_for_versions, load_pin  # noqa: 
 
 def _base_of_this_environment() -> None:
     """Tests run on the base this interpreter holds: when $KVSTACK_BASE is unset, it is the base
-    whose pins equal the installed vLLM and LMCache (a venv without them keeps bases/default)."""
+    whose pins equal the installed vLLM and LMCache (a venv without them keeps vllm/default)."""
     if os.environ.get(BASE_ENV):
         return
     import importlib.metadata as md
@@ -54,7 +54,7 @@ def pinned_tree():
 @pytest.fixture(scope="session")
 def pristine_tree(tmp_path_factory):
     """The pinned sdist of a component unpacked afresh (sha256-verified, no kvstack patch in it):
-    the fetched tree under upstream/<base>/ is patched in place by `make apply`."""
+    the fetched tree under <component>/src/<base>/ is patched in place by `make apply`."""
     trees: dict[str, Path] = {}
 
     def get(component: str) -> Path:

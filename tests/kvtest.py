@@ -58,7 +58,7 @@ def make_patch(tmp: Path, rel: str, old_line: str, new_line: str, subject: str, 
 
 
 def on_default_base() -> bool:
-    """Whether the tests run on the base named in bases/default ($KVSTACK_BASE, which
+    """Whether the tests run on the base named in vllm/default ($KVSTACK_BASE, which
     tests/conftest.py sets from the venv, names the base they run on)."""
-    default = (REPO / "bases" / "default").read_text().strip()
+    default = (REPO / "vllm" / "default").read_text().strip()
     return os.environ.get("KVSTACK_BASE", default) == default

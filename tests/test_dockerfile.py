@@ -219,9 +219,9 @@ def test_no_pin_is_written_in_the_dockerfile_and_the_context_carries_the_pin_fil
             for key, value in load_pin(comp, base).values.items():
                 if key == "PROJECT" or key.endswith("_PROJECT"):
                     continue  # a project name, not a pin
-                assert value not in text, f"bases/{base}/{comp}.env {key}={value} is duplicated in the Dockerfile"
+                assert value not in text, f"{comp}/{base}.env {key}={value} is duplicated in the Dockerfile"
     # ARGs are the base, the target, the base images and the label values: none names a pinned component,
-    # and the base has no default (bases/default is the one place that names it; docker_build.sh reads it).
+    # and the base has no default (vllm/default is the one place that names it; docker_build.sh reads it).
     for ins, args in instructions():
         if ins == "ARG":
             name = args.split("=", 1)[0]
@@ -233,12 +233,15 @@ def test_no_pin_is_written_in_the_dockerfile_and_the_context_carries_the_pin_fil
               if ln.strip() and not ln.startswith("#")]
     assert ignore[0] == "*", ".dockerignore is an allow-list"
     allowed = {ln[1:].rstrip("/") for ln in ignore if ln.startswith("!")}
-    for needed in ("bases", "patches", "scripts", "kvstack", "pyproject.toml"):
+    # Of vllm/ and lmcache/ only the pins: the folders as a whole would send the fetched sources (src/).
+    for needed in ("vllm/default", "vllm/*.env", "lmcache/*.env", "patches", "scripts", "kvstack",
+                   "pyproject.toml"):
         assert needed in allowed, f"the build context must carry {needed}"
-    for never in ("tests", ".venv", "build", "upstream", "vllm/upstream", "lmcache/upstream", ".git", "bench"):
+    for never in ("tests", ".venv", "build", "upstream", "vllm/src", "lmcache/src", ".git", "bench"):
         assert not any(a == never or a.startswith(never + "/") for a in allowed), never
+    assert not {"vllm", "lmcache", "vllm/*", "lmcache/*"} & allowed, "vllm/ or lmcache/ whole: their src/ would go"
     context = build_context_files()
-    for needed in ("bases/default", "scripts/install_image.sh", "scripts/build_env.sh", "scripts/lib_base.sh",
+    for needed in ("vllm/default", "scripts/install_image.sh", "scripts/build_env.sh", "scripts/lib_base.sh",
                    "kvstack/release/doctor.py", "pyproject.toml"):
         assert needed in context, needed
     # Every base's pins and series: `kvstack doctor` in the image finds the base from the installed versions.
@@ -249,8 +252,16 @@ def test_no_pin_is_written_in_the_dockerfile_and_the_context_carries_the_pin_fil
             for patch in read_series(pin.series_dir):
                 assert str(patch.relative_to(REPO)) in context
     leaked = [f for f in context if f.startswith(("tests/", ".venv", "build/", ".git/", "upstream/"))
-              or "/upstream/" in f or "__pycache__" in f]
+              or (f.startswith(("vllm/", "lmcache/"))
+                  and not re.fullmatch(r"(vllm|lmcache)/[^/]+\.env|vllm/default", f))
+              or "__pycache__" in f]
     assert not leaked, leaked[:10]
+    # ... and a fetched tree there would not go either (whether or not this checkout has fetched one).
+    patterns = dockerignore_patterns()
+    for comp in COMPONENTS:
+        for rel in (f"{comp}/src/{default_base()}/PKG-INFO", f"{comp}/src/{default_base()}/setup.py",
+                    f"{comp}/src/{default_base()}/{comp}/__init__.py", f"{comp}/src/x.env"):
+            assert _ignored(rel, patterns), rel
 
 
 def _default_args() -> dict[str, str]:
@@ -272,17 +283,20 @@ def test_stages_targets_bases_doctor_last_and_entrypoint():
     # The cpu base's Python is checked before anything is installed on it.
     cpu_runs = [a for i, a in st["runtime-cpu"] if i == "RUN"]
     assert 'scripts/check_python.sh --base "$KVSTACK_BASE" python3.11' in cpu_runs[0]
-    # Only scripts/ and bases/ are mounted there (a whole-context mount would tie the layer to every file).
+    # Only scripts/ and vllm/ (its pins name the torch wheel) are mounted there (a whole-context mount
+    # would tie the layer to every file).
     mounts = re.findall(r"--mount=(\S+)", cpu_runs[0])
-    assert sorted(mounts) == ["type=bind,source=bases,target=/tmp/kvstack-context/bases",
-                              "type=bind,source=scripts,target=/tmp/kvstack-context/scripts"], mounts
+    assert sorted(mounts) == ["type=bind,source=scripts,target=/tmp/kvstack-context/scripts",
+                              "type=bind,source=vllm,target=/tmp/kvstack-context/vllm"], mounts
     # deps: the heavy layer sees only the chosen base's pin files and the install scripts (kvstack's
     # sources, other bases' pins and every series come later).
     assert ("ARG", "KVSTACK_BASE") in st["deps"] and ("ARG", "KVSTACK_BASE") in st["final"]
     deps_copies = [a.split() for i, a in st["deps"] if i == "COPY"]
-    assert [c[-1] for c in deps_copies] == ["${KVSTACK_SRC}/bases/${KVSTACK_BASE}/", "${KVSTACK_SRC}/scripts/"]
+    assert [c[-1] for c in deps_copies] == ["${KVSTACK_SRC}/vllm/", "${KVSTACK_SRC}/lmcache/",
+                                            "${KVSTACK_SRC}/scripts/"]
+    assert [c[:-1] for c in deps_copies[:2]] == [["vllm/${KVSTACK_BASE}.env"], ["lmcache/${KVSTACK_BASE}.env"]]
     assert sorted(f for c in deps_copies for f in c[:-1]) == sorted(
-        ["bases/${KVSTACK_BASE}/vllm.env", "bases/${KVSTACK_BASE}/lmcache.env", "scripts/install_image.sh",
+        ["vllm/${KVSTACK_BASE}.env", "lmcache/${KVSTACK_BASE}.env", "scripts/install_image.sh",
          "scripts/build_env.sh", "scripts/lib_wheels.sh", "scripts/lib_base.sh", "scripts/check_python.sh"])
     # What the install scripts source or run before --deps-only stops is among what deps copies.
     copied = {f.rsplit("/", 1)[-1] for c in deps_copies for f in c[:-1]}
@@ -416,7 +430,7 @@ def _buildah_commands(*args: str, env: dict[str, str] | None = None) -> list[lis
 
 def test_docker_build_per_base_tag_build_arg_and_deps_key(tmp_path):
     """Each base gets its own image tag, KVSTACK_BASE build arg and deps image, keyed by that base's pin
-    files only; --base defaults to $KVSTACK_BASE, else bases/default."""
+    files only; --base defaults to $KVSTACK_BASE, else vllm/default."""
     env = {"KVSTACK_CACHE": str(tmp_path / "no-cache")}
     version = re.search(r'^version *= *"([^"]+)"', (REPO / "pyproject.toml").read_text(), re.M).group(1)
     deps_tags = {}
@@ -435,8 +449,8 @@ def test_docker_build_per_base_tag_build_arg_and_deps_key(tmp_path):
         cmd = _build_command("--target", "cpu", "--base", base, env=env)
         assert cmd[cmd.index("-t") + 1] == f"kvstack:{version}-{base}-cpu" and f"KVSTACK_BASE={base}" in cmd
     assert len(set(deps_tags.values())) == len(deps_tags), deps_tags
-    # No --base: $KVSTACK_BASE, else bases/default.
-    file_default = (REPO / "bases" / "default").read_text().strip()
+    # No --base: $KVSTACK_BASE, else vllm/default.
+    file_default = (REPO / "vllm" / "default").read_text().strip()
     for env_base in base_names():
         deps, _ = _buildah_commands(env={**env, "KVSTACK_BASE": env_base})
         assert deps[deps.index("-t") + 1] == deps_tags[env_base]
@@ -445,13 +459,15 @@ def test_docker_build_per_base_tag_build_arg_and_deps_key(tmp_path):
 
 
 def _fake_repo(tmp_path: Path) -> Path:
-    """A copy of what docker_build.sh reads (Dockerfile, scripts, bases, pyproject, kvstack, patches)."""
+    """A copy of what docker_build.sh reads (Dockerfile, scripts, the pins, pyproject, kvstack, patches)."""
     root = tmp_path / "repo"
     for rel in ("Dockerfile", "pyproject.toml"):
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(REPO / rel, root / rel)
-    for rel in ("scripts", "bases", "kvstack", "patches"):
+    for rel in ("scripts", "kvstack", "patches"):
         shutil.copytree(REPO / rel, root / rel, ignore=shutil.ignore_patterns("__pycache__"))
+    for rel in ("vllm", "lmcache"):  # the pins, not the fetched sources
+        shutil.copytree(REPO / rel, root / rel, ignore=shutil.ignore_patterns("src"))
     return root
 
 
@@ -474,7 +490,7 @@ def test_deps_key_follows_only_the_chosen_base_pins(tmp_path):
 
     before = {b: deps_tag(b) for b in bases}
     changed, other = bases[-1], bases[0]
-    pin = root / "bases" / changed / "vllm.env"
+    pin = root / "vllm" / f"{changed}.env"
     pin.write_text(pin.read_text().replace("CPU_WHEEL_SHA256=", "CPU_WHEEL_SHA256=0"))
     assert deps_tag(changed) != before[changed]
     assert deps_tag(other) == before[other]

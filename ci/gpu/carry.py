@@ -7,7 +7,7 @@ call, nothing can be downloaded there, and it goes back after ~30 s idle) has Py
 machine's image as read on 2026-11-17), but no vLLM, no LMCache and little of vLLM's serving stack.
 Standard library only: `pack` runs here, `unpack` and `install` there, both with a bare python3.
 
-  pack     (here) download with pip the pinned vLLM CUDA wheel (bases/<base>/vllm.env: CUDA_WHEEL,
+  pack     (here) download with pip the pinned vLLM CUDA wheel (vllm/<base>.env: CUDA_WHEEL,
            sha256-verified, cached in ~/.cache/kvstack/wheels like scripts/lib_wheels.sh) and the
            cp312 manylinux wheels of its requirements the machine lacks (vLLM's Requires-Dist,
            markers evaluated for the machine, minus DEFAULT_HAVE or `--have FILE`, minus the
@@ -17,7 +17,7 @@ Standard library only: `pack` runs here, `unpack` and `install` there, both with
            then split everything into pieces of at most `--piece-mib` (60) MiB, packed into
            folders build/gpu-carry/000, 001, ... (git-ignored), each with manifest.json (file
            names, sizes, sha256 of each whole file and of each piece). `--dry-run` lists what it
-           would download (from the cached wheel's METADATA, else upstream/<base>/vllm/PKG-INFO, else
+           would download (from the cached wheel's METADATA, else vllm/src/<base>/PKG-INFO, else
            `--metadata FILE`) and changes nothing.
   unpack   (there) `unpack build/gpu-carry/NNN`: check the folder's pieces (sha256) and write
            them into a persistent folder on the machine (`--dest`, default /tmp/kvstack-carry);
@@ -525,7 +525,7 @@ def collect(pip: list[str], metadata: str, have: dict, skip: set, deps_dir: Path
 def cmd_pack(args) -> int:
     from kvstack.release.pins import cache_dir, load_pin
 
-    pin = load_pin("vllm").values  # the base in effect ($KVSTACK_BASE, else bases/default)
+    pin = load_pin("vllm").values  # the base in effect ($KVSTACK_BASE, else vllm/default)
     wheels = args.wheels or cache_dir() / "wheels"
     deps_dir = args.wheels_deps or cache_dir() / "wheels-cp312"
     have = read_have(args.have)
@@ -537,8 +537,8 @@ def cmd_pack(args) -> int:
         meta, source = vllm_metadata(args, pin, wheels)
     except FileNotFoundError:
         if args.dry_run:
-            print("error: no METADATA for vLLM: neither the cached CUDA wheel nor upstream/<base>/"
-                  "vllm/PKG-INFO is there; run scripts/fetch_sources.sh or pass --metadata", file=sys.stderr)
+            print("error: no METADATA for vLLM: neither the cached CUDA wheel nor vllm/src/<base>/"
+                  "PKG-INFO is there; run scripts/fetch_sources.sh or pass --metadata", file=sys.stderr)
             return 2
         meta, source = None, None
     from kvstack.release.pins import default_base

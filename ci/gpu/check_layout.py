@@ -108,7 +108,8 @@ def main(argv=None) -> int:
     from kvstack.release import overlay
 
     spec = importlib.util.find_spec("vllm")
-    if spec is None or not spec.submodule_search_locations:
+    # origin None: a namespace package (the checkout's vllm/ of pins), not an installed vLLM
+    if spec is None or spec.origin is None or not spec.submodule_search_locations:
         print(f"error: vLLM is not importable with {sys.executable}", file=sys.stderr)
         return 2
     site = Path(list(spec.submodule_search_locations)[0]).parent

@@ -537,7 +537,8 @@ def main(argv=None) -> int:
         ap.error(f"--tensor-parallel-size {args.tensor_parallel_size} x --pipeline-parallel-size "
                  f"{args.pipeline_parallel_size} = {ranks} ranks need one CPU core each; "
                  f"this process may use {len(os.sched_getaffinity(0))}")
-    if importlib.util.find_spec("vllm") is None:
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or spec.origin is None:  # origin None: the checkout's vllm/ of pins, not vLLM
         print(f"error: vLLM is not importable with {sys.executable}", file=sys.stderr)
         return 2
     if args.device == "cuda":

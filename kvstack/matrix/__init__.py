@@ -6,8 +6,8 @@ data flows through them (each imports only modules above it; no import cycle)::
 
     states.py          cell states, colours, marks, the Cell record, SCHEMA
                        in: nothing               out: the vocabulary every other module uses
-    config.py          ci/matrix.toml + bases/
-                       in: matrix.toml, bases/<base>/*.env
+    config.py          ci/matrix.toml + the bases' pins
+                       in: matrix.toml, vllm/<base>.env, lmcache/<base>.env
                        out: Config (releases, every base's pins, digests, junit_cases splits)
     sdists.py          release sdists: download once, verify sha256, unpack once
                        in: Config, cache_dir()/sdists (the index only for a sdist not cached)

@@ -49,7 +49,7 @@ examples:
   ci/run_matrix.py --publish --results unit=build/junit/tests-0.25.xml --results unit=build/junit/tests-0.32.xml
   ci/run_matrix.py --component vllm --release vllm=0.26.0 --base 0.25
   ci/run_matrix.py --propose-base 0.33.0 0.5.6          # a pin bump: check, print the new pin files
-  ci/run_matrix.py --propose-base 0.33.0 0.5.6 --write  # ... and write bases/0.33/ + ci/matrix.toml lines
+  ci/run_matrix.py --propose-base 0.33.0 0.5.6 --write  # ... and write vllm/0.33.env, lmcache/0.33.env + ci/matrix.toml lines
 
 exit codes:
   0  the pinned cells are clean (every base's series applies to its pins, no failed results, no errors);
@@ -59,7 +59,7 @@ exit codes:
   2  usage error""",
     )
     parser.add_argument("--root", type=Path, default=REPO_ROOT,
-                        help="the kvstack checkout whose bases, series and ci/ are used (default: this one)")
+                        help="the kvstack checkout whose bases (pins), series and ci/ are used (default: this one)")
     parser.add_argument("--config", type=Path, help="axes file (default ROOT/ci/matrix.toml)")
     parser.add_argument("--suites", action="append",
                         help="comma-separated suites to include (default: all of the config's)")
@@ -84,7 +84,7 @@ exit codes:
                         "per patch state, Drop-When candidates, ci/matrix.toml lines and the new pin files")
     parser.add_argument("--from-base", help="with --propose-base: whose series (default: the newest base)")
     parser.add_argument("--write", action="store_true",
-                        help="with --propose-base: write bases/<new>/*.env and the ci/matrix.toml lines")
+                        help="with --propose-base: write vllm/<new>.env, lmcache/<new>.env and the ci/matrix.toml lines")
     parser.add_argument("--rerender", type=Path, metavar="MATRIX_JSON",
                         help="run nothing: write REPORT.md's section, matrix.html (and matrix.png) again "
                         "from a matrix.json (with --publish: ci/matrix.json into ci/)")

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvstack.matrix.states import log, version_key
-from kvstack.release.pins import COMPONENTS, REPO_ROOT, base_names, default_base, load_pin
+from kvstack.release.pins import COMPONENTS, REPO_ROOT, base_names, default_base, load_pin, pin_relpath
 
 DEFAULT_CONFIG = REPO_ROOT / "ci" / "matrix.toml"
 
@@ -52,8 +52,8 @@ def _load_toml(path: Path) -> dict:
 
 
 def load_config(path: Path = DEFAULT_CONFIG, repo_root: Path = REPO_ROOT, base: str | None = None) -> Config:
-    """The axes of path, with every base of repo_root/bases/ (their pins are always checked).
-    `pins` are those of `base` (default: $KVSTACK_BASE, else bases/default)."""
+    """The axes of path, with every base of repo_root (vllm/<base>.env + lmcache/<base>.env: their pins
+    are always checked). `pins` are those of `base` (default: $KVSTACK_BASE, else vllm/default)."""
     data = _load_toml(path)
     suites = list(data.get("suites", ["apply"]))
     unknown = [s for s in suites if not re.fullmatch(r"[a-z0-9][a-z0-9-]*", s)]
@@ -68,7 +68,7 @@ def load_config(path: Path = DEFAULT_CONFIG, repo_root: Path = REPO_ROOT, base: 
         for comp in COMPONENTS:
             pin = load_pin(comp, b, repo_root)
             bases[b][comp] = pin.version
-            base_sha.setdefault(f"{comp} {pin.version}", (pin.sdist_sha256, f"bases/{b}/{comp}.env"))
+            base_sha.setdefault(f"{comp} {pin.version}", (pin.sdist_sha256, pin_relpath(comp, b)))
     releases, pins, pin_sha, projects = {}, {}, {}, {}
     for comp in COMPONENTS:
         pin = load_pin(comp, base, repo_root)

@@ -8,10 +8,10 @@ in:  two release versions; the newest base (or --from-base) with its pins and se
 out: a report: per patch applies / applies with offset / conflicts (file, hunk) / already upstream
      (reverse-applies or probe); the Drop-When candidates (patches already upstream, with their
      Drop-When trailer); the lines to add to ci/matrix.toml (releases, [sha256]); the suggested
-     bases/<new>/{vllm,lmcache}.env (VERSION, SDIST, SDIST_SHA256 checked; wheel and torch lines
+     vllm/<new>.env and lmcache/<new>.env (VERSION, SDIST, SDIST_SHA256 checked; wheel and torch lines
      copied from a base that pins the same release, else left as TODO comments).
-     Nothing in the repository changes unless write=True: then bases/<new>/*.env and the
-     ci/matrix.toml lines are written (bases/default, the series and the probes are left alone).
+     Nothing in the repository changes unless write=True: then vllm/<new>.env, lmcache/<new>.env and
+     the ci/matrix.toml lines are written (vllm/default, the series and the probes are left alone).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from kvstack.matrix.probes import load_probe
 from kvstack.matrix.sdists import SourceError, release_tree, resolve_sdist
 from kvstack.matrix.states import LABEL, S_APPLIES, S_CONFLICTS, S_ERROR, S_OFFSET, S_UPSTREAM
 from kvstack.release.patchstack import read_series
-from kvstack.release.pins import COMPONENTS, REPO_ROOT, base_names, load_pin, read_env_file
+from kvstack.release.pins import COMPONENTS, REPO_ROOT, base_names, load_pin, pin_path, pin_relpath, read_env_file
 
 CHECKED_KEYS = ("PROJECT", "VERSION", "SDIST", "SDIST_SHA256")
 
@@ -39,7 +39,7 @@ def new_base_name(vllm_version: str) -> str:
 
 def _pin_text(config: Config, root: Path, comp: str, version: str, sdist: str, digest: str,
               from_base: str, new_base: str, versions: dict[str, str]) -> str:
-    """The suggested bases/<new>/<comp>.env."""
+    """The suggested <comp>/<new>.env."""
     known = [b for b in config.bases if config.bases[b][comp] == version]
     template = load_pin(comp, known[-1] if known else from_base, root)
     values = dict(template.values)
@@ -143,7 +143,7 @@ def render(report: dict, written: list[str] | None = None) -> str:
     lines = [f"propose base {report['new_base']}: vLLM {v['vllm']} + LMCache {v['lmcache']}, "
              f"checked against the series of base {report['from_label']}", ""]
     if report["new_base_exists"]:
-        lines += [f"note: bases/{report['new_base']}/ already exists (--write will not overwrite it)", ""]
+        lines += [f"note: base {report['new_base']} already exists (--write will not overwrite its pins)", ""]
     lines.append("sdists (verified):")
     for comp, s in report["sdists"].items():
         lines.append(f"  {s['file']}  sha256 {s['sha256']}  ({s['verified_by']})")
@@ -178,7 +178,7 @@ def render(report: dict, written: list[str] | None = None) -> str:
     lines += [f"  {t}" for t in report["toml_lines"]] or ["  nothing to add (both releases and digests are there)"]
     lines.append("")
     for comp, text in report["pin_files"].items():
-        lines.append(f"bases/{report['new_base']}/{comp}.env (suggested):")
+        lines.append(f"{pin_relpath(comp, report['new_base'])} (suggested):")
         lines += [f"  {t}" for t in text.splitlines()]
         lines.append("")
     if report["problems"]:
@@ -188,7 +188,7 @@ def render(report: dict, written: list[str] | None = None) -> str:
     if written:
         lines.append("wrote: " + ", ".join(written))
     else:
-        lines.append("nothing written (add --write to write bases/<new>/*.env and the ci/matrix.toml lines)")
+        lines.append("nothing written (add --write to write vllm/<new>.env, lmcache/<new>.env and the ci/matrix.toml lines)")
     return "\n".join(lines)
 
 
@@ -214,9 +214,10 @@ def _add_to_toml(text: str, comp: str | None, line: str, table: str) -> str:
 def write(report: dict, root: Path = REPO_ROOT, config_path: Path | None = None) -> list[str]:
     """Write the suggested pin files and the ci/matrix.toml lines; returns what was written."""
     config_path = config_path or root / "ci" / "matrix.toml"
-    new_dir = root / "bases" / report["new_base"]
-    if new_dir.exists():
-        raise ValueError(f"{new_dir} already exists; not overwriting it")
+    new_files = {comp: pin_path(comp, report["new_base"], root) for comp in COMPONENTS}
+    for path in new_files.values():
+        if path.exists():
+            raise ValueError(f"{path} already exists; not overwriting it")
     if set(report["pin_files"]) != set(COMPONENTS):
         raise ValueError("not every sdist was verified; nothing written")
     text = config_path.read_text()
@@ -228,12 +229,13 @@ def write(report: dict, root: Path = REPO_ROOT, config_path: Path | None = None)
         line = f'"{s["file"]}" = "{s["sha256"]}"'
         if f"[sha256]: {line}" in report["toml_lines"]:
             text = _add_to_toml(text, None, line, "sha256")
-    new_dir.mkdir(parents=True)
     written = []
     for comp, pin_text in report["pin_files"].items():
-        (new_dir / f"{comp}.env").write_text(pin_text)
-        read_env_file(new_dir / f"{comp}.env")  # the suggestion is a valid KEY=VALUE file
-        written.append(str((new_dir / f"{comp}.env").relative_to(root)))
+        path = new_files[comp]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(pin_text)
+        read_env_file(path)  # the suggestion is a valid KEY=VALUE file
+        written.append(str(path.relative_to(root)))
     if text != before:
         config_path.write_text(text)
         written.append(str(config_path.relative_to(root)) if config_path.is_relative_to(root) else str(config_path))

@@ -8,7 +8,7 @@ from pathlib import Path
 from kvstack.matrix.config import Config
 from kvstack.matrix.states import log
 from kvstack.release.fetch import sha256_of
-from kvstack.release.pins import cache_dir
+from kvstack.release.pins import cache_dir, pin_relpath
 
 
 class SourceError(RuntimeError):
@@ -29,7 +29,7 @@ def resolve_sdist(config: Config, component: str, version: str, offline: bool = 
     expected = None
     source = ""
     if version == config.pins[component]:
-        expected, source = config.pin_sha256[component], f"bases/{config.base}/{component}.env"
+        expected, source = config.pin_sha256[component], pin_relpath(component, config.base)
     elif f"{component} {version}" in config.base_sha256:
         expected, source = config.base_sha256[f"{component} {version}"]
     for name in _sdist_names(project, version):

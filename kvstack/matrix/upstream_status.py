@@ -247,7 +247,7 @@ exit codes:
     parser.add_argument("--probes-dir", type=Path, default=REPO_ROOT / "ci" / "probes")
     parser.add_argument("--series-dir", action="append", metavar="COMPONENT=DIR")
     parser.add_argument("--component", action="append", choices=COMPONENTS)
-    parser.add_argument("--base", help="whose series (default: $KVSTACK_BASE, else bases/default)")
+    parser.add_argument("--base", help="whose series (default: $KVSTACK_BASE, else vllm/default)")
     parser.add_argument("--write", action="store_true", help="write the proposed lines into the patch files")
     parser.add_argument("--check", action="store_true", help="exit 1 when a header should change or needs a look")
     parser.add_argument("--json", action="store_true", help="print the proposals as JSON")

@@ -33,9 +33,11 @@ def installed_version(*dists: str) -> tuple[str, str] | None:
 
 
 def package_root(component: str) -> Path | None:
-    """The site-packages dir holding the component's package (found without importing it)."""
+    """The site-packages dir holding the component's package (found without importing it). A
+    namespace package (no origin) is not an installation: it is a folder without __init__.py on
+    sys.path, e.g. the checkout's vllm/ or lmcache/ (the pins) when doctor runs from its root."""
     spec = importlib.util.find_spec(PACKAGE[component])
-    if spec is None or not spec.submodule_search_locations:
+    if spec is None or spec.origin is None or not spec.submodule_search_locations:
         return None
     return Path(list(spec.submodule_search_locations)[0]).parent
 

@@ -161,14 +161,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="scripts/fetch_sources.sh",
         description="Download a base's pinned upstream sdists (cached), verify sha256, unpack them into "
-        "upstream/<base>/<component>.",
+        "<component>/src/<base>/ (vllm/src/<base>, lmcache/src/<base>; git-ignored).",
         epilog=f"Exit codes: {EXIT_OK} ok, {EXIT_MISMATCH} sha256 mismatch (nothing unpacked), "
         f"{EXIT_DOWNLOAD} download/index error, 2 usage.",
     )
     parser.add_argument("components", nargs="*", choices=[[], *COMPONENTS], default=[],
                         help="components to fetch (default: all)")
     parser.add_argument("--base", choices=base_names(), action="append",
-                        help="which base (repeat for several; default $KVSTACK_BASE or bases/default)")
+                        help="which base (repeat for several; default $KVSTACK_BASE, else vllm/default)")
     parser.add_argument("--all-bases", action="store_true", help="fetch the sdists of every base")
     parser.add_argument("--sdist", type=Path, help="verify and unpack this local file instead of the cached download")
     parser.add_argument("--force", action="store_true", help="unpack again even if the tree is already there")

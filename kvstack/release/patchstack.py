@@ -328,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
         f"Bases: {bases_summary()}.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="""Which base: --base NAME; else, for --target / --site-packages, the base whose pins equal the
-target's vLLM and LMCache versions; else $KVSTACK_BASE or bases/default (for the fetched trees).
+target's vLLM and LMCache versions; else $KVSTACK_BASE, else vllm/default (for the fetched trees).
 Each patch is reported as: applies / applies with offset / already applied / fails (file, hunk).
 If any patch fails, nothing is written. Running it twice is a no-op (every patch: already applied).
 

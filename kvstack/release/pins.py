@@ -1,20 +1,27 @@
 """The bases and their pins.
 
 A *base* is a pair of upstream releases the whole stack is built, patched and tested on (vLLM +
-LMCache, and the torch they were built against). Each base has its own pins and its own series::
+LMCache, and the torch they were built against). Each component has its own folder at the root of
+the checkout, holding that component's pin for every base and its fetched sources::
 
-    bases/default              the name of the base used when none is named
-    bases/<base>/vllm.env      the vLLM pin (tracked)
-    bases/<base>/lmcache.env   the LMCache pin (tracked)
+    vllm/default               the name of the base used when none is named
+    vllm/<base>.env            the vLLM pin of a base, torch's included (tracked); a base is named
+                               after its vLLM release (0.32 = vLLM 0.32.x), so vllm/*.env lists the bases
+    lmcache/<base>.env         the LMCache pin of that base (tracked)
+    <component>/src/<base>/    the verified, unpacked sdist (git-ignored; patched in place with the
+                               base's series by `make apply`, hence one tree per base, not per release)
     patches/<base>/<component>/series   the patch stack for it
-    upstream/<base>/<component>/        the verified, unpacked sdist (git-ignored)
 
-Which base is in effect: the `base=` argument, else `$KVSTACK_BASE`, else `bases/default`.
+Neither vllm/ nor lmcache/ has an __init__.py: for Python they are at most namespace-package
+candidates, so `import vllm` / `import lmcache` from the checkout's root load the installed packages
+(a regular package anywhere on sys.path wins over a namespace portion).
+
+Which base is in effect: the `base=` argument, else `$KVSTACK_BASE`, else `vllm/default`.
 `base_for_versions` picks the base whose pins match an installed vLLM/LMCache pair.
 
-Where bases/ and patches/ are read from (DATA_ROOT): the checkout (REPO_ROOT: the scripts, an
-editable install) or, in an installed kvstack wheel, the package itself, which carries bases/ and
-patches/ as package data (kvstack/bases/<base>/*.env, kvstack/patches/<base>/<component>/; see
+Where the pins and patches/ are read from (DATA_ROOT): the checkout (REPO_ROOT: the scripts, an
+editable install) or, in an installed kvstack wheel, the package itself, which carries them as package
+data (kvstack/vllm/default, kvstack/<component>/<base>.env, kvstack/patches/<base>/<component>/; see
 pyproject.toml), so `kvstack doctor` works without the checkout.
 """
 
@@ -26,21 +33,42 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-# An installed wheel: bases/ and patches/ are package data of kvstack (the checkout has no kvstack/bases).
+# An installed wheel: the pins and patches/ are package data of kvstack (kvstack/vllm/default,
+# kvstack/<component>/<base>.env, kvstack/patches/); the checkout has no kvstack/vllm.
 PACKAGE_DATA_ROOT = Path(__file__).resolve().parents[1]
+COMPONENTS = ("vllm", "lmcache")
+BASE_ENV = "KVSTACK_BASE"
+# The file naming the default base, relative to the data root. A base is named after its vLLM
+# release, and vllm/*.env lists the bases, so the default's name sits beside them.
+DEFAULT_FILE = Path("vllm") / "default"
+# The fetched, unpacked sdists: <component>/src/<base>/ (git-ignored).
+SOURCES = "src"
 
 
 def data_root() -> Path:
-    """The folder holding bases/ and patches/: the installed package's data when it carries them (a
-    wheel), else the checkout (unchanged there: kvstack/bases does not exist in a checkout)."""
-    if (PACKAGE_DATA_ROOT / "bases" / "default").is_file():
+    """The folder holding vllm/, lmcache/ (the pins) and patches/: the installed package's data when it
+    carries them (a wheel), else the checkout (kvstack/vllm does not exist in a checkout)."""
+    if (PACKAGE_DATA_ROOT / DEFAULT_FILE).is_file():
         return PACKAGE_DATA_ROOT
     return REPO_ROOT
 
 
 DATA_ROOT = data_root()
-COMPONENTS = ("vllm", "lmcache")
-BASE_ENV = "KVSTACK_BASE"
+
+
+def pin_relpath(component: str, base: str) -> str:
+    """'vllm/0.32.env': one component's pin of one base, relative to the data root."""
+    return f"{component}/{base}.env"
+
+
+def pin_path(component: str, base: str, root: Path = DATA_ROOT) -> Path:
+    """<root>/<component>/<base>.env."""
+    return root / pin_relpath(component, base)
+
+
+def tree_path(component: str, base: str, root: Path = DATA_ROOT) -> Path:
+    """<component>/src/<base>/: the base's fetched, unpacked sdist of the component (git-ignored)."""
+    return root / component / SOURCES / base
 
 
 def cache_dir() -> Path:
@@ -69,16 +97,22 @@ def _version_key(text: str) -> tuple:
 
 
 def base_names(root: Path = DATA_ROOT) -> list[str]:
-    """Every base in bases/, oldest first."""
-    found = [p.name for p in (root / "bases").iterdir() if p.is_dir() and (p / "vllm.env").is_file()]
+    """Every base (a vllm/<base>.env), oldest first."""
+    folder = root / "vllm"
+    found = [p.name[:-len(".env")] for p in folder.glob("*.env") if p.is_file()] if folder.is_dir() else []
     return sorted(found, key=_version_key)
 
 
+def file_default_base(root: Path = DATA_ROOT) -> str:
+    """The name in vllm/default (not $KVSTACK_BASE)."""
+    return (root / DEFAULT_FILE).read_text().strip()
+
+
 def default_base(root: Path = DATA_ROOT) -> str:
-    """$KVSTACK_BASE when set, else the name in bases/default."""
-    name = os.environ.get(BASE_ENV) or (root / "bases" / "default").read_text().strip()
+    """$KVSTACK_BASE when set, else the name in vllm/default."""
+    name = os.environ.get(BASE_ENV) or file_default_base(root)
     if name not in base_names(root):
-        raise ValueError(f"unknown base {name!r} (from ${BASE_ENV} or bases/default); "
+        raise ValueError(f"unknown base {name!r} (from ${BASE_ENV} or {DEFAULT_FILE}); "
                          f"the bases are: {', '.join(base_names(root))}")
     return name
 
@@ -108,12 +142,12 @@ class Pin:
 
     @property
     def file(self) -> Path:
-        return self.root / "bases" / self.base / f"{self.component}.env"
+        return pin_path(self.component, self.base, self.root)
 
     @property
     def tree(self) -> Path:
         """The fetched upstream tree (sdist root: has setup.py, the package, tests/)."""
-        return self.root / "upstream" / self.base / self.component
+        return tree_path(self.component, self.base, self.root)
 
     @property
     def series_dir(self) -> Path:
@@ -127,7 +161,7 @@ def load_pin(component: str, base: str | None = None, root: Path = DATA_ROOT) ->
     if component not in COMPONENTS:
         raise ValueError(f"unknown component {component!r} (known: {', '.join(COMPONENTS)})")
     base = base or default_base(root)
-    path = root / "bases" / base / f"{component}.env"
+    path = pin_path(component, base, root)
     if not path.is_file():
         raise ValueError(f"unknown base {base!r}: no {path} (the bases are: {', '.join(base_names(root))})")
     return Pin(component, read_env_file(path), base, root)

@@ -14,7 +14,7 @@ Import then export therefore reproduces the patches exactly (tested).
 Typical work on a patch:
     scripts/import_patches.sh vllm build/vllm-work   # tree with our commits
     cd build/vllm-work && $EDITOR ... && git commit --amend / git rebase -i
-    scripts/export_patches.sh vllm build/vllm-work   # rewrites patches/<base>/vllm/ ($KVSTACK_BASE or bases/default)
+    scripts/export_patches.sh vllm build/vllm-work   # rewrites patches/<base>/vllm/ ($KVSTACK_BASE, else vllm/default)
 """
 
 from __future__ import annotations

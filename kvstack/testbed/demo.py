@@ -383,7 +383,8 @@ def build_upstream_overlay(work: Path) -> tuple[Path | None, str]:
     from kvstack.release.pins import load_pin
 
     spec = importlib.util.find_spec("vllm")
-    if spec is None or not spec.submodule_search_locations:
+    # origin None: a namespace package (the checkout's vllm/ of pins), not an installed vLLM
+    if spec is None or spec.origin is None or not spec.submodule_search_locations:
         return None, "vLLM is not importable"
     site = Path(list(spec.submodule_search_locations)[0]).parent
     try:

@@ -311,6 +311,8 @@ def cpu_block_size(block_size: int | None) -> int | None:
         import vllm
     except ImportError:
         return block_size
+    if not hasattr(vllm, "__version__"):  # a namespace package (the checkout's vllm/ of pins): no vLLM
+        return block_size
     major_minor = tuple(int(x) for x in vllm.__version__.split(".")[:2])
     return -(-block_size // 32) * 32 if major_minor >= (0, 32) else block_size
 
@@ -349,6 +351,8 @@ def engine_crash_reason(name: str) -> str | None:
         import torch
         import vllm
     except ImportError:
+        return None
+    if not hasattr(vllm, "__version__"):  # a namespace package (the checkout's vllm/ of pins): no vLLM
         return None
     major_minor = tuple(int(x) for x in vllm.__version__.split(".")[:2])
     if major_minor >= (0, 32):

@@ -9,8 +9,8 @@ compares the outcome with the base's committed ledger ``ci/upstream/<base>/expec
 * a ledger entry that matched no failure in this run is STALE (it now passes, is skipped or is gone);
 * anything else passes.
 
-The base (``--base NAME``, else ``$KVSTACK_BASE``, else ``bases/default``) picks the ledger, the sdist
-tree (``upstream/<base>/vllm/tests``) and the default venv (``$KVSTACK_VENV``, else ``.venv`` for the
+The base (``--base NAME``, else ``$KVSTACK_BASE``, else ``vllm/default``) picks the ledger, the sdist
+tree (``vllm/src/<base>/tests``) and the default venv (``$KVSTACK_VENV``, else ``.venv`` for the
 default base and ``.venv-<base>`` for another); the run refuses a venv whose vLLM is not the base's.
 
 How it stays honest:
@@ -192,7 +192,7 @@ def pytest_sessionfinish(session, exitstatus) -> None:
 # --------------------------------------------------------------------------------------------
 
 def resolve_base(base: str | None = None) -> str:
-    """The base in effect: `base`, else $KVSTACK_BASE, else bases/default (ValueError if unknown)."""
+    """The base in effect: `base`, else $KVSTACK_BASE, else vllm/default (ValueError if unknown)."""
     from kvstack.release.pins import base_names, default_base
 
     if base is None:
@@ -432,12 +432,14 @@ def stage_hub(hf_home: Path, source: Path = HUB_SOURCE) -> list[str]:
 
 
 def default_venv(base: str | None = None) -> Path:
-    """$KVSTACK_VENV, else .venv for the default base (bases/default), .venv-<base> for another
+    """$KVSTACK_VENV, else .venv for the default base (vllm/default), .venv-<base> for another
     (as scripts/build_env.sh and the Makefile name them)."""
+    from kvstack.release.pins import file_default_base
+
     if os.environ.get("KVSTACK_VENV"):
         return Path(os.environ["KVSTACK_VENV"])
     base = resolve_base(base)
-    default = (REPO_ROOT / "bases" / "default").read_text().strip()
+    default = file_default_base(REPO_ROOT)
     return REPO_ROOT / (".venv" if base == default else f".venv-{base}")
 
 
@@ -689,7 +691,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=int, default=DEFAULT_TIMEOUT,
                         help="per-test timeout in seconds (default %(default)s)")
     parser.add_argument("--base", help="the base: its ledger, sdist tests and venv (default "
-                        "$KVSTACK_BASE, else bases/default)")
+                        "$KVSTACK_BASE, else vllm/default)")
     parser.add_argument("--python", help="the venv's python (default $KVSTACK_VENV/bin/python, else "
                         ".venv for the default base, .venv-<base> for another)")
     parser.add_argument("--ledger", type=Path,

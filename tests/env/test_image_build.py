@@ -1,4 +1,4 @@
-"""The cpu image of the base the tests run on ($KVSTACK_BASE, else bases/default), built for real with
+"""The cpu image of the base the tests run on ($KVSTACK_BASE, else vllm/default), built for real with
 buildah and run (the commands of docs/image.md, "Build and run", shown there for the default base).
 
 - base image: `scripts/make_base_image.sh --builder buildah` (Debian bookworm from Debian's mirror; no
@@ -50,7 +50,7 @@ STORE = Path(os.environ.get("KVSTACK_IMAGE_TEST_STORE", "/var/lib/kvstack-image-
 OUT = REPO / "build" / "image"
 VERSION = re.search(r'^version *= *"([^"]+)"', (REPO / "pyproject.toml").read_text(), re.M).group(1)
 KVSTACK_BASE = default_base()  # the base the tests run on
-README_BASE = (REPO / "bases" / "default").read_text().strip()  # docs/image.md shows the default base's commands
+README_BASE = (REPO / "vllm" / "default").read_text().strip()  # docs/image.md shows the default base's commands
 TAG = f"kvstack:{VERSION}-{KVSTACK_BASE}-cpu"  # docker_build.sh's default tag (buildah stores it as localhost/...)
 BASE_IMAGE = "localhost/kvstack-base:bookworm"  # make_base_image.sh's default tag
 NOPY_BASE_IMAGE = "localhost/kvstack-base:bookworm-nopython"

@@ -1,5 +1,5 @@
 """The cpu image's install step, run here exactly as the Dockerfile runs it, into a fresh venv prefix, for
-the base the tests run on ($KVSTACK_BASE, else bases/default). `make test` runs it on the bases other than
+the base the tests run on ($KVSTACK_BASE, else vllm/default). `make test` runs it on the bases other than
 the default one (CI time): tests/env/test_image_build.py runs the same install step for the default base
 in the real image, and the SBOM and metadata files come from the same scripts/install_image.sh.
 

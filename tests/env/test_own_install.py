@@ -133,9 +133,17 @@ def copy_checkout(dest: Path) -> Path:
 
 def test_wheel_carries_the_pins_and_series(tmp_path):
     """Every module of kvstack/ and, for every base, the pins and the series with its patches, at the
-    place kvstack/release/pins.py looks for them in an installed wheel (kvstack/bases, kvstack/patches).
-    pyproject.toml lists kvstack's packages: a new subpackage not listed there fails here."""
+    place kvstack/release/pins.py looks for them in an installed wheel (kvstack/vllm, kvstack/lmcache,
+    kvstack/patches), and none of the fetched sources beside the pins (<component>/src/<base>/, here a
+    stand-in, as a checkout after `make fetch` has them). pyproject.toml lists kvstack's packages: a new
+    subpackage not listed there fails here."""
     src = copy_checkout(tmp_path / "src")
+    for comp in COMPONENTS:
+        fetched = src / comp / "src" / "0.0"
+        (fetched / comp).mkdir(parents=True)
+        (fetched / comp / "__init__.py").write_text("")
+        (fetched / "0.0.env").write_text("PROJECT=x\n")
+        (fetched / "PKG-INFO").write_text("Name: x\n")
     res = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
                           "-w", str(tmp_path / "dist"), str(src)], capture_output=True, text=True)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
@@ -144,16 +152,23 @@ def test_wheel_carries_the_pins_and_series(tmp_path):
     # (the copy, not the checkout: the series may change while this runs)
     modules = {str(p.relative_to(src)) for p in (src / "kvstack").rglob("*.py") if "__pycache__" not in p.parts}
     assert modules - names == set(), "modules missing from the wheel (list their package in pyproject.toml)"
-    want = {"kvstack/bases/default"}
+    want = {"kvstack/vllm/default"}
     for base in base_names(src):
         for comp in COMPONENTS:
-            want.add(f"kvstack/bases/{base}/{comp}.env")
+            want.add(f"kvstack/{comp}/{base}.env")
             series = load_pin(comp, base, src).series_dir
             if (series / "series").is_file():
                 want.add(f"kvstack/patches/{base}/{comp}/series")
             want |= {f"kvstack/patches/{base}/{comp}/{p.name}" for p in read_series(series)}
     assert want - names == set()
-    assert not [n for n in names if n.split("/")[0] in ("bases", "patches")], "pins or series outside kvstack/"
+    # Nothing at the top of site-packages but kvstack/ and its dist-info: a vllm/ or lmcache/ folder there
+    # would stand beside (or over) the real packages.
+    outside = [n for n in names if n.split("/")[0] in ("vllm", "lmcache", "patches")]
+    assert not outside, "pins or series outside kvstack/"
+    assert {n.split("/")[0] for n in names} == {"kvstack", f"kvstack-{wheel.name.split('-')[1]}.dist-info"}
+    fetched = [n for n in names if n.startswith(("kvstack/vllm/src/", "kvstack/lmcache/src/"))]
+    assert not fetched, "fetched sources in the wheel"
+    assert not [n for n in names if n.startswith(("kvstack/vllm/", "kvstack/lmcache/")) and n.endswith(".py")]
 
 
 # ---- the user's path -----------------------------------------------------------------------------

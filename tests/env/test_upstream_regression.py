@@ -58,7 +58,7 @@ def test_ledger_entries_name_real_tests_with_reasons():
 
 def test_every_base_has_a_ledger_and_a_venv_rule(monkeypatch):
     monkeypatch.delenv("KVSTACK_VENV", raising=False)
-    default = (UPSTREAM_CI.parents[1] / "bases" / "default").read_text().strip()
+    default = (UPSTREAM_CI.parents[1] / "vllm" / "default").read_text().strip()
     for base in base_names():
         assert ledger_file(base).is_file(), f"base {base} has no ledger {ledger_file(base)}"
         read_ledger(ledger_file(base))  # well-formed

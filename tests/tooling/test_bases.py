@@ -1,4 +1,5 @@
-"""The bases (bases/<base>/, patches/<base>/): each is complete, and the base follows the target.
+"""The bases (vllm/<base>.env, lmcache/<base>.env, patches/<base>/): each is complete, and the base
+follows the target.
 
 `scripts/apply_patches.sh` on a tree or site-packages picks the series of the base whose pins equal
 the target's vLLM and LMCache versions; a pair no base covers is refused with exit 3 before any

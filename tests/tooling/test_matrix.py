@@ -75,11 +75,12 @@ def fake_repo(tmp_path, monkeypatch):
         body = "a = 1\nb = 2\n" if v == "1.0.0" else "a = 1\nb = 2\nc = 3\n"
         p = make_sdist(sdists, "lmcache", v, {"lmcache/__init__.py": "", "lmcache/core.py": body})
         digests[p.name] = M.sha256_of(p)
-    (root / "bases" / FAKE_BASE).mkdir(parents=True)
-    (root / "bases" / "default").write_text(FAKE_BASE + "\n")
+    for comp in COMPONENTS:
+        (root / comp).mkdir(parents=True)
+    (root / "vllm" / "default").write_text(FAKE_BASE + "\n")
     for comp in COMPONENTS:
         pin = vers[comp][0]
-        (root / "bases" / FAKE_BASE / f"{comp}.env").write_text(
+        (root / comp / f"{FAKE_BASE}.env").write_text(
             f"PROJECT={comp}\nVERSION={pin}\nSDIST={comp}-{pin}.tar.gz\n"
             f"SDIST_SHA256={digests[f'{comp}-{pin}.tar.gz']}\n")
         (root / "patches" / FAKE_BASE / comp).mkdir(parents=True)
@@ -154,7 +155,7 @@ def test_real_config_has_the_issue_axes():
     every_pin = {c: {load_pin(c, b).version for b in base_names()} for c in COMPONENTS}
     for comp, versions in config.releases.items():
         for v in versions:
-            if v not in every_pin[comp]:  # a base's pin has its digest in bases/<base>/
+            if v not in every_pin[comp]:  # a base's pin has its digest in <comp>/<base>.env
                 assert re.fullmatch(r"[0-9a-f]{64}", config.sha256[f"{comp}-{v}.tar.gz"])
 
 
@@ -253,7 +254,7 @@ def test_sdists_are_verified_and_nothing_is_downloaded_when_cached(fake_repo, mo
     config = M.load_config(fake_repo / "ci" / "matrix.toml", fake_repo)
     path, digest, how = M.resolve_sdist(config, "vllm", "0.2.0")
     assert how == "ci/matrix.toml [sha256]" and digest == M.sha256_of(path)
-    assert M.resolve_sdist(config, "vllm", "0.1.0")[2] == f"bases/{FAKE_BASE}/vllm.env"
+    assert M.resolve_sdist(config, "vllm", "0.1.0")[2] == f"vllm/{FAKE_BASE}.env"
     # one byte changed: refused
     data = bytearray(path.read_bytes())
     data[-1] ^= 1
@@ -598,10 +599,9 @@ def test_real_releases_with_a_demonstration_series(tmp_path):
 def add_second_base(root: Path, tmp_path: Path) -> None:
     """Base 0.3 (vllm 0.3.0 + lmcache 1.1.0) with one vLLM patch made against 0.3.0, no LMCache series yet."""
     config = M.load_config(root / "ci" / "matrix.toml", root)
-    (root / "bases" / "0.3").mkdir()
     for comp, v in (("vllm", "0.3.0"), ("lmcache", "1.1.0")):
         name = f"{comp}-{v}.tar.gz"
-        (root / "bases" / "0.3" / f"{comp}.env").write_text(
+        (root / comp / "0.3.env").write_text(
             f"PROJECT={comp}\nVERSION={v}\nSDIST={name}\nSDIST_SHA256={config.sha256[name]}\n")
     (root / "patches" / "0.3" / "vllm").mkdir(parents=True)
     (root / "patches" / "0.3" / "vllm" / "series").write_text("")
@@ -693,12 +693,12 @@ def test_propose_base_reports_each_patch_and_writes_only_with_write(fake_repo, t
     assert re.search(r"0001-core\.patch  applies", out)
     assert re.search(r"Drop-When candidates.*\n  vllm/0001-pack\.patch  \(probe\)  Drop-When: \(none\)", out)
     digest = M.load_config(fake_repo / "ci" / "matrix.toml", fake_repo).sha256["vllm-0.3.0.tar.gz"]
-    assert f"SDIST_SHA256={digest}" in out and "bases/0.3/vllm.env (suggested)" in out
+    assert f"SDIST_SHA256={digest}" in out and "vllm/0.3.env (suggested)" in out
     assert "nothing written" in out
     assert {p: p.read_bytes() for p in fake_repo.rglob("*") if p.is_file()} == before
     # --write: the pin files (valid KEY=VALUE) and nothing else but ci/matrix.toml lines that are missing
     res = run(fake_repo, "--propose-base", "0.3.0", "1.1.0", "--write")
-    assert "wrote: bases/0.3/vllm.env, bases/0.3/lmcache.env" in res.stdout, res.stdout + res.stderr
+    assert "wrote: vllm/0.3.env, lmcache/0.3.env" in res.stdout, res.stdout + res.stderr
     from kvstack.release.pins import load_base
     assert load_base("0.3", fake_repo).label == "0.3 (vLLM 0.3.0 + LMCache 1.1.0)"
     assert load_pin("vllm", "0.3", fake_repo).sdist_sha256 == digest
