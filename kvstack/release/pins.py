@@ -14,7 +14,7 @@ the checkout, holding that component's pin for every base and its fetched source
 
 Neither vllm/ nor lmcache/ has an __init__.py: for Python they are at most namespace-package
 candidates, so `import vllm` / `import lmcache` from the checkout's root load the installed packages
-(a regular package anywhere on sys.path wins over a namespace portion).
+(a regular package anywhere on sys.path wins over a namespace portion; tests/tooling/test_layout.py).
 
 Which base is in effect: the `base=` argument, else `$KVSTACK_BASE`, else `vllm/default`.
 `base_for_versions` picks the base whose pins match an installed vLLM/LMCache pair.
