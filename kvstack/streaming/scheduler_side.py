@@ -140,15 +140,13 @@ class _SchedulerSide:
             if rid in self._waiting:  # admitted: it keeps its place until vLLM allocates it
                 self._waiting[rid][1] = need - hit_pages
         elif need - hit_pages > free:
-            if rid not in self._failed:
-                self.pool.stats.failed_host_tier_full += 1
-                self._failed[rid] = (
-                    f"kvstack StreamingConnector: host tier full: this request needs "
-                    f"{(need - hit_pages) * self.cfg.page_tokens} tokens of host tier "
-                    f"(prompt + {self._reserve_what()}), "
-                    f"{max(free, 0) * self.cfg.page_tokens} are free "
-                    f"({len(self._reserved)} running request(s) hold the rest of "
-                    f"{self.pool.capacity_tokens}); retry later, or raise host_tier_gib")
+            self._fail(rid, (
+                f"kvstack StreamingConnector: host tier full: this request needs "
+                f"{(need - hit_pages) * self.cfg.page_tokens} tokens of host tier "
+                f"(prompt + {self._reserve_what()}), "
+                f"{max(free, 0) * self.cfg.page_tokens} are free "
+                f"({len(self._reserved)} running request(s) hold the rest of "
+                f"{self.pool.capacity_tokens}); retry later, or raise host_tier_gib"))
             return None, False  # not scheduled; the scheduler fails it (take_failed)
         # pages from the shared tier need pages of the host tier: counted in `need` above
         return (hit_pages + shared_pages) * self.cfg.page_tokens, False
@@ -173,17 +171,22 @@ class _SchedulerSide:
         self.pool.stats.waited_for_space += 1
         timeout = self.cfg.wait_timeout_s
         if timeout is not None and now - entry[0] >= timeout and rid not in self._failed:
-            self.pool.stats.failed_host_tier_full += 1
             self.pool.stats.wait_timeouts += 1
-            self._failed[rid] = (
+            self._fail(rid, (
                 f"kvstack StreamingConnector: host tier full: this request waited "
                 f"{now - entry[0]:.1f} s (wait_timeout_s={timeout:g}) for "
                 f"{need * self.cfg.page_tokens} tokens of host tier (prompt + "
                 f"{self._reserve_what()}); {max(free, 0) * self.cfg.page_tokens} are free to it "
                 f"({len(self._reserved)} running and {len(self._waiting) - 1} other waiting "
                 f"request(s) hold or need the rest of {self.pool.capacity_tokens}); retry later, "
-                f"raise host_tier_gib or wait_timeout_s")
+                f"raise host_tier_gib or wait_timeout_s"))
         return None
+
+    def _fail(self, rid: str, reason: str) -> None:
+        """`rid` fails with `reason` (the scheduler takes it, take_failed); counted once."""
+        if rid not in self._failed:
+            self.pool.stats.failed_host_tier_full += 1
+        self._failed[rid] = reason
 
     def _resume_hit(self, request: "Request", num_computed_tokens: int,
                     skip_reading: bool) -> int:
@@ -334,9 +337,7 @@ class _SchedulerSide:
         self.pool.ensure(rid, min(start + n, target * self.cfg.page_tokens))
         k = self.pool.pages_for(start + n) - len(self.pool.pages(rid))
         first_sink = self.layout.num_pages + sinks
-        if rid not in self._failed:
-            self.pool.stats.failed_host_tier_full += 1
-        self._failed[rid] = reason
+        self._fail(rid, reason)
         anchors = self._anchors(rid, start)
         first = anchors.pop(self.layout.group)
         meta.reqs.append(self._step(rid, start, n, first, anchors,

@@ -1,6 +1,6 @@
 """Probe for patches/0.32/lmcache/0007-kvstack-local-disk-backend-index-chunk-files-left-by.patch
 (base 0.25 numbers the same patch 0006: 0006-kvstack-local-disk-backend-index-chunk-files-left-by.py
-is this file with that name, as probes are keyed by patch file name).
+runs this file, as probes are keyed by patch file name).
 
 Upstream is "already there" when LMCache's LocalDiskBackend finds chunk files written by an
 earlier process by itself (LMCache#1175): its class then lists its folder (os.listdir / os.scandir /
