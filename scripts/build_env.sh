@@ -52,7 +52,7 @@ lmcache_wheel=$(pin lmcache "WHEEL_$py_tag")
 [ -n "$lmcache_wheel" ] || { echo "error: no pinned LMCache wheel for $py_tag (see $(pin_file lmcache))" >&2; exit 2; }
 
 # Bump RECIPE when the install steps below change, so existing venvs are rebuilt.
-RECIPE=1
+RECIPE=2  # 2: pytest-xdist (make test runs the suite on one worker per core)
 # Two stamps: .kvstack-deps (steps 1-3 done for these pins) and .kvstack-env (all four).
 stamp="$venv/.kvstack-env" deps_stamp="$venv/.kvstack-deps"
 # (over the pins' values only: a comment edit rebuilds nothing)
@@ -96,7 +96,7 @@ else
   fi
   step "4/4 kvstack itself (editable) and the test tools"
   pip_q install --no-deps -e "$root"
-  pip_q install -c "$venv/constraints.txt" pytest pytest-asyncio pytest-timeout tblib msgpack
+  pip_q install -c "$venv/constraints.txt" pytest pytest-asyncio pytest-timeout pytest-xdist tblib msgpack
   echo "$want_stamp" > "$stamp"
 fi
 

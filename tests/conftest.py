@@ -15,6 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from kvtest import run_script  # noqa: E402
 from kvstack.release.pins import BASE_ENV, base_for_versions, load_pin  # noqa: E402
+from kvstack.testbed.workers import pin_xdist_worker  # noqa: E402
 
 
 def _base_of_this_environment() -> None:
@@ -38,6 +39,10 @@ def _base_of_this_environment() -> None:
 
 
 _base_of_this_environment()
+
+
+# Under pytest-xdist (`make test`'s parallel pass) each worker keeps to its own share of the cores.
+pin_xdist_worker()
 
 
 @pytest.fixture(scope="session")

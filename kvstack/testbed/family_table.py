@@ -69,6 +69,7 @@ class Family:
 
 FAMILIES = (
     Family("dense GQA (Llama-3)", "llama", r"layers\.1\."),
+    Family("MoE (Qwen3-MoE)", "qwen3_moe", r"layers\.1\."),
     Family("sliding window + full (Gemma-2)", "gemma2", r"layers\.1\."),
     # vLLM turns the hybrid manager off for chunked-local attention unless this variable is set;
     # with it, the model has chunked-local + full groups (what kvstack once refused with LMCache)
@@ -77,6 +78,7 @@ FAMILIES = (
            (("VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE", "1"),)),
     Family("MLA (DeepSeek-V2)", "deepseek_v2", r"layers\.1\."),
     Family("GDN hybrid + MoE (Qwen3-Next)", "qwen3next", r"layers\.3\."),
+    Family("Mamba2 hybrid + MoE (Granite-4)", "granite4", r"layers\.3\."),
 )
 CONNECTORS = ("none", "lmcache", "streaming", "multi")
 STOCK_CONNECTORS = ("none", "lmcache")  # stock vLLM has no StreamingConnector

@@ -259,6 +259,57 @@ MODELS: dict[str, TinyModel] = {
         engine=dict(block_size=32, dtype="bfloat16"),
         summary="Gemma-3 text, 6 layers: 5 sliding-window (64) : 1 global, QK-norm",
     ),
+    # Not in MODEL_NAMES: families of the family table (kvstack.testbed.family_table). Qwen3-MoE:
+    # plain full attention with MoE MLPs (Llama-4's MoE comes with chunked-local attention).
+    "qwen3_moe": TinyModel(
+        name="qwen3_moe",
+        architecture="Qwen3MoeForCausalLM",
+        config_class="Qwen3MoeConfig",
+        config=dict(
+            _COMMON,
+            hidden_size=64,
+            intermediate_size=128,
+            moe_intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            num_experts=4,
+            num_experts_per_tok=2,
+            decoder_sparse_step=1,
+            norm_topk_prob=True,
+        ),
+        engine=dict(block_size=16, dtype="bfloat16"),
+        summary="Qwen3-MoE, 2 layers: full attention (4 heads / 2 KV heads) + 4 experts, top 2",
+    ),
+    # Granite-4: Mamba2 layers (conv + SSM state per layer) where Qwen3-Next has gated delta-net ones.
+    "granite4": TinyModel(
+        name="granite4",
+        architecture="GraniteMoeHybridForCausalLM",
+        config_class="GraniteMoeHybridConfig",
+        config=dict(
+            _COMMON,
+            hidden_size=128,  # vLLM's Granite attention takes head_dim = hidden / heads: 32
+            intermediate_size=64,  # per expert
+            shared_intermediate_size=64,
+            num_hidden_layers=4,
+            layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_local_experts=2,
+            num_experts_per_tok=1,
+            mamba_n_heads=8,
+            mamba_d_head=32,  # mamba_expand 2 x hidden 128 = 8 heads x 32
+            mamba_expand=2,
+            mamba_n_groups=1,
+            mamba_d_state=16,
+            mamba_d_conv=4,
+            mamba_chunk_size=64,
+            position_embedding_type="rope",
+        ),
+        engine=dict(dtype="bfloat16", mamba_ssm_cache_dtype="float32"),
+        summary="Granite-4 hybrid (Mamba2 + attention), 4 layers: 3 Mamba2 + 1 full attention, 2 experts",
+    ),
     "gpt_oss": TinyModel(
         name="gpt_oss",
         architecture="GptOssForCausalLM",
@@ -486,16 +537,40 @@ def _write_model(spec: TinyModel, dest: Path) -> None:
     train_tokenizer(dest)
 
 
+@contextlib.contextmanager
+def writer_lock(dest: Path):
+    """One writer of folder `dest` at a time across processes (pytest-xdist workers, concurrent
+    sessions): an exclusive lock on `.<name>.lock` beside it, held while it is written."""
+    import fcntl
+
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with open(dest.parent / f".{dest.name}.lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def make_model(name: str, dest: str | os.PathLike[str], *, force: bool = False) -> Path:
     """Write tiny model `name` into folder `dest` and return it; keep `dest` if it already holds it.
 
     `dest` is replaced as a whole (written beside it, then renamed), so a reader never sees half a
-    model. A non-empty `dest` that is not a tiny model written here is refused, never deleted.
+    model; writers take turns (`writer_lock`), so a model another process has just written is kept,
+    not replaced under its readers. A non-empty `dest` that is not a tiny model written here is
+    refused, never deleted.
     """
     spec = _spec(name)
     dest = Path(dest).absolute()
     if not force and is_current(name, dest):
         return dest
+    with writer_lock(dest):
+        if not force and is_current(name, dest):
+            return dest
+        return _make_model(name, spec, dest)
+
+
+def _make_model(name: str, spec: TinyModel, dest: Path) -> Path:
     if dest.exists() and any(dest.iterdir()) and not (dest / STAMP).exists():
         raise FileExistsError(f"{dest} is not empty and holds no kvstack tiny model; not overwriting it")
     dest.parent.mkdir(parents=True, exist_ok=True)

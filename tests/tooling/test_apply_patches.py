@@ -11,6 +11,10 @@ from kvtest import make_patch, run_script, tree_digest
 from kvstack.release.patchstack import read_series
 from kvstack.release.pins import load_pin
 
+# serial: some tests apply to, and check, the fetched trees under <component>/src/ themselves, which
+# other tests read (`make test` runs it alone)
+pytestmark = pytest.mark.serial
+
 # A small slice of the pinned vLLM tree is enough for the fixture patches (copying all of it is slow).
 SLICE = ["PKG-INFO", "vllm/__init__.py", "vllm/envs.py", "vllm/v1/core/kv_cache_utils.py",
          "tests/v1/core/test_kv_cache_utils.py"]

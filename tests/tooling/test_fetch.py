@@ -4,9 +4,15 @@ from __future__ import annotations
 
 import shutil
 
+import pytest
+
 from kvtest import run_script, tree_digest
 from kvstack.release.fetch import cached_sdist
 from kvstack.release.pins import load_pin
+
+# serial: it unpacks the fetched trees under <component>/src/ afresh (unpatched), which other tests
+# read patched (`make test` runs it alone)
+pytestmark = pytest.mark.serial
 
 
 def test_fetch_is_idempotent(pinned_tree):

@@ -75,8 +75,10 @@ def summary(out) -> tuple[list[float], int]:
 
 # CI time (about 100 s per engine run here): the default base only; the patch is the same on both
 # bases and so are the upstream files it changes (LMCache 0.5.3 and 0.5.6)
-pytestmark = pytest.mark.skipif(not on_default_base(), reason="runs on the default base only (CI "
-                                "time): LMCache's patch and the files it changes are the same on both")
+# serial: the requests' waits are timed against the lookup timeout (`make test` runs it alone)
+pytestmark = [pytest.mark.serial,
+              pytest.mark.skipif(not on_default_base(), reason="runs on the default base only (CI "
+                                 "time): LMCache's patch and the files it changes are the same on both")]
 
 
 @pytest.mark.parametrize("backend", ["redis", "lmcache_server"])

@@ -25,7 +25,8 @@ from vllm_server import ROOT, OfflineRun, Server, serving
 # CI time: the documented commands run the default base's venv; on the other base the same TP 2 /
 # PP 2 streaming engines are checked offline (ci/gpu/check_streaming.py, test_gpu_check_streaming_script.py).
 # Both bases passed this file on 2026-11-24.
-pytestmark = [pytest.mark.env, pytest.mark.slow, pytest.mark.streaming_hooks,
+# serial: TP 2 / PP 2 bind one core per rank (`make test` runs it alone, with every core)
+pytestmark = [pytest.mark.env, pytest.mark.slow, pytest.mark.streaming_hooks, pytest.mark.serial,
               pytest.mark.skipif(not on_default_base(), reason="runs on the default base only "
                                  "(CI time); this base's TP/PP streaming: check_streaming.py")]
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvstack.testbed.engine import shutdown_llm
+from kvstack.testbed.tiny_models import writer_lock
 
 ROOT = Path(__file__).resolve().parents[3]
 SITE = ROOT / ".venv" / "lib" / "python3.11" / "site-packages"
@@ -145,8 +146,6 @@ def sharp_llama4(dest: Path | None = None, **scales) -> Path:
     tokenizer files are the tiny Llama-4's."""
     import hashlib
     import json
-    import shutil
-    import tempfile
 
     recipe = dict(SHARP, **scales)
     dest = Path(dest or ROOT / "build" / "tiny-models" / "llama4-sharp")
@@ -156,46 +155,60 @@ def sharp_llama4(dest: Path | None = None, **scales) -> Path:
     src = tiny_model("llama4")
     src_digest = hashlib.sha256((src / "model.safetensors").read_bytes()).hexdigest()
     stamp = {"recipe": recipe, "source_sha256": src_digest, "version": 1}
-    try:
-        current = json.loads((dest / ".kvstack-sharp.json").read_text()) == stamp
-    except (OSError, ValueError):
-        current = False
-    if not current:
-        import torch
-        from safetensors.torch import load_file, save_file
 
-        sd = {k: v.float() for k, v in load_file(src / "model.safetensors").items()}
-        q = sd[SHARP_LAYER + "q_proj.weight"]  # [Hq * D, hidden]
-        k = sd[SHARP_LAYER + "k_proj.weight"]  # [Hkv * D, hidden]
-        head = 32
-        hq, hkv = q.shape[0] // head, k.shape[0] // head
-        rep = hq // hkv
-        kq = q.view(hq, head, -1)[0::rep].clone()  # first query head of each KV group
-        sd[SHARP_LAYER + "k_proj.weight"] = (kq * recipe["qk_scale"]).reshape(k.shape)
-        sd[SHARP_LAYER + "q_proj.weight"] = (kq.repeat_interleave(rep, 0)
-                                             * recipe["qk_scale"]).reshape(q.shape)
-        sd["model.embed_tokens.weight"] *= recipe["embed_scale"]
-        sd[SHARP_LAYER + "o_proj.weight"] *= recipe["o_scale"]
-        sd["lm_head.weight"] *= recipe["lm_head_scale"]
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=".llama4-sharp-", dir=dest.parent))
-        tmp.chmod(0o755)
-        for f in src.iterdir():
-            if f.is_file() and f.name != "model.safetensors" and not f.name.startswith("."):
-                shutil.copy2(f, tmp / f.name)
-        save_file({n: t.to(torch.bfloat16).contiguous() for n, t in sd.items()},
-                  str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        (tmp / "model.safetensors").chmod(0o644)
-        (tmp / ".kvstack-sharp.json").write_text(json.dumps(stamp))
-        old = None
-        if dest.exists():  # swap in atomically enough for concurrent sessions
-            old = dest.with_name(dest.name + f".old-{os.getpid()}")
-            dest.rename(old)
-        tmp.rename(dest)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+    def current() -> bool:
+        try:
+            return json.loads((dest / ".kvstack-sharp.json").read_text()) == stamp
+        except (OSError, ValueError):
+            return False
+
+    if not current():
+        with writer_lock(dest):  # pytest-xdist workers: one writes it, the others then keep it
+            if not current():
+                _write_sharp(src, dest, recipe, stamp)
     _SHARP_DONE[key] = dest
     return dest
+
+
+def _write_sharp(src: Path, dest: Path, recipe: dict, stamp: dict) -> None:
+    """Write the sharp copy into `dest` (beside it, then renamed in)."""
+    import json
+    import shutil
+    import tempfile
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    sd = {k: v.float() for k, v in load_file(src / "model.safetensors").items()}
+    q = sd[SHARP_LAYER + "q_proj.weight"]  # [Hq * D, hidden]
+    k = sd[SHARP_LAYER + "k_proj.weight"]  # [Hkv * D, hidden]
+    head = 32
+    hq, hkv = q.shape[0] // head, k.shape[0] // head
+    rep = hq // hkv
+    kq = q.view(hq, head, -1)[0::rep].clone()  # first query head of each KV group
+    sd[SHARP_LAYER + "k_proj.weight"] = (kq * recipe["qk_scale"]).reshape(k.shape)
+    sd[SHARP_LAYER + "q_proj.weight"] = (kq.repeat_interleave(rep, 0)
+                                         * recipe["qk_scale"]).reshape(q.shape)
+    sd["model.embed_tokens.weight"] *= recipe["embed_scale"]
+    sd[SHARP_LAYER + "o_proj.weight"] *= recipe["o_scale"]
+    sd["lm_head.weight"] *= recipe["lm_head_scale"]
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".llama4-sharp-", dir=dest.parent))
+    tmp.chmod(0o755)
+    for f in src.iterdir():
+        if f.is_file() and f.name != "model.safetensors" and not f.name.startswith("."):
+            shutil.copy2(f, tmp / f.name)
+    save_file({n: t.to(torch.bfloat16).contiguous() for n, t in sd.items()},
+              str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    (tmp / "model.safetensors").chmod(0o644)
+    (tmp / ".kvstack-sharp.json").write_text(json.dumps(stamp))
+    old = None
+    if dest.exists():  # swap in atomically enough for concurrent sessions
+        old = dest.with_name(dest.name + f".old-{os.getpid()}")
+        dest.rename(old)
+    tmp.rename(dest)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def make_llm_from(model_dir: Path, name: str = "llama4", *, streaming: dict | None = None,

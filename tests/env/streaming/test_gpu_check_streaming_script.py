@@ -21,6 +21,9 @@ import pytest
 
 from streaming_helpers import needs_hooks
 
+# serial: the TP 2 / PP 2 runs bind one core per rank (`make test` runs it alone, with every core)
+pytestmark = pytest.mark.serial
+
 REPO = Path(__file__).resolve().parents[3]
 SCRIPT = REPO / "ci" / "gpu" / "check_streaming.py"
 
