@@ -45,14 +45,14 @@ test: matrix-apply ## THE TESTS: both bases (apply matrix, tooling, patch, engin
 
 TESTS ?= tests
 # One pytest-xdist worker per core (at most 4; TEST_JOBS=0 runs in one process), each worker and what it
-# starts kept to its own cores (tests/conftest.py), test modules whole on one worker (their engines are
+# starts kept to its own cores (kvstack/testbed/workers.py), test modules whole on one worker (their engines are
 # shared by their tests); then the tests marked `serial` alone (TP/PP, timing-sensitive). Both passes
 # run, each prints its 30 slowest tests; their junit files are merged into build/junit/tests-<base>.xml.
 TEST_JOBS ?= $(shell n=$$(nproc); echo $$(( n > 4 ? 4 : n )))
 PYTEST_ARGS = -q -p no:cacheprovider --timeout=1200 --durations=30
 test-base: env ## the tests of one base (BASE=, TESTS=, TEST_JOBS=); junit in build/junit/tests-<base>.xml
 	@echo "== kvstack tests on base $(BASE) ($(VENV)): $(TESTS); $(TEST_JOBS) workers, then the serial tests"
-	@mkdir -p build/junit; rc=0; \
+	@mkdir -p build/junit; rm -f build/junit/parallel-$(BASE).xml build/junit/serial-$(BASE).xml; rc=0; \
 	$(PY) -m pytest $(TESTS) -m "not serial" $(if $(filter-out 0 1,$(TEST_JOBS)),-n $(TEST_JOBS) --dist loadfile) \
 	  $(PYTEST_ARGS) --junitxml=build/junit/parallel-$(BASE).xml || { r=$$?; [ $$r = 5 ] || rc=$$r; }; \
 	echo "== kvstack tests on base $(BASE): the serial tests"; \
