@@ -58,7 +58,7 @@ test-base: env ## the tests of one base (BASE=, TESTS=, TEST_JOBS=); junit in bu
 	echo "== kvstack tests on base $(BASE): the serial tests"; \
 	$(PY) -m pytest $(TESTS) -m serial $(PYTEST_ARGS) --junitxml=build/junit/serial-$(BASE).xml \
 	  || { r=$$?; [ $$r = 5 ] || rc=$$r; }; \
-	$(PY) -m kvstack.matrix.results merge build/junit/tests-$(BASE).xml \
+	$(PY) -m kvstack.matrix.merge build/junit/tests-$(BASE).xml \
 	  build/junit/parallel-$(BASE).xml build/junit/serial-$(BASE).xml; \
 	exit $$rc
 

@@ -97,21 +97,3 @@ def merge_junit(out: Path, paths: list[Path]) -> int:
     ET.ElementTree(merged).write(out, encoding="utf-8", xml_declaration=True)
     return sum(1 for _ in merged.iter("testcase"))
 
-
-def main(argv: list[str] | None = None) -> int:
-    import argparse
-
-    ap = argparse.ArgumentParser(prog="python -m kvstack.matrix.results",
-                                 description="junit results: `merge OUT IN...` writes the test "
-                                             "suites of the IN files (missing ones skipped) into OUT")
-    ap.add_argument("command", choices=["merge"])
-    ap.add_argument("out", type=Path)
-    ap.add_argument("inputs", type=Path, nargs="+")
-    args = ap.parse_args(argv)
-    n = merge_junit(args.out, args.inputs)
-    print(f"{args.out}: {n} test cases from {', '.join(str(p) for p in args.inputs if p.is_file())}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -101,6 +101,11 @@ def test_merged_junit_holds_both_passes(tmp_path):
     bare = tmp_path / "bare.xml"
     bare.write_text('<testsuite name="x"><testcase classname="tests.t" name="d"/></testsuite>')
     assert merge_junit(out, [par, bare]) == 3
+    # the command `make test` runs
+    res = subprocess.run([sys.executable, "-m", "kvstack.matrix.merge", str(out), str(par), str(ser)],
+                         cwd=REPO, capture_output=True, text=True)
+    assert res.returncode == 0 and "3 test cases" in res.stdout, res.stdout + res.stderr
+    assert "Warning" not in res.stderr, res.stderr
 
 
 def test_the_make_target_runs_both_passes():
@@ -110,7 +115,7 @@ def test_the_make_target_runs_both_passes():
                           "VENV=.venv-none", "BASE=0.32"], cwd=REPO, capture_output=True, text=True)
     text = res.stdout
     assert '-m "not serial" -n 2 --dist loadfile' in text, text
-    assert "-m serial" in text and "kvstack.matrix.results merge build/junit/tests-0.32.xml" in text, text
+    assert "-m serial" in text and "kvstack.matrix.merge build/junit/tests-0.32.xml" in text, text
     one = subprocess.run(["make", "-n", "--no-print-directory", "test-base", "TEST_JOBS=0",
                           "VENV=.venv-none", "BASE=0.32"], cwd=REPO, capture_output=True, text=True)
     assert '-m "not serial"' in one.stdout and "--dist" not in one.stdout, one.stdout  # one process
