@@ -14,7 +14,7 @@ Standard library only: `pack` runs here, `unpack` and `install` there, both with
            optional heavy kernels of DEFAULT_SKIP; then the same for each downloaded wheel's own
            requirements, until nothing is missing), each with `pip download --no-deps
            --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 ...`;
-           then split everything into pieces of at most `--piece-mib` (60) MiB, packed into
+           then split everything into pieces of at most `--piece-mib` (58) MiB, packed into
            folders build/gpu-carry/000, 001, ... (git-ignored), each with manifest.json (file
            names, sizes, sha256 of each whole file and of each piece). `--dry-run` lists what it
            would download (from the cached wheel's METADATA, else vllm/src/<base>/PKG-INFO, else
@@ -40,18 +40,21 @@ The sequence of `run` calls (ci/gpu/README.md says the same, with the budget):
                    python3 -m pip list --format=freeze > $OUT/have.txt
   run 2 .. N: carry ["build/gpu-carry/001"], ... one folder per call, command
           python3 ci/gpu/carry.py unpack build/gpu-carry/NNN
-  run N+1: export KVSTACK_BASE=0.25; python3 ci/gpu/carry.py install && \\
-           PYTHONUNBUFFERED=1 /tmp/kvstack-venv/bin/python ci/gpu/check_streaming.py \\
-           --timeout 270 2>&1 | tee $OUT/check_streaming.log            (timeout_s 600)
-  run N+2: (optional) the same venv, ci/gpu/check_layout.py: one command runs 10 min at most
-  With the default lists (2026-11-23): the 250 MB wheel + 85 dependency wheels (46 MiB) make
-  5 folders, so 6 calls; about 10-15 of the session's 30 device minutes (ci/gpu/README.md).
+  run N+1: bash ci/gpu/run_checks.sh --layout-s 180 --streaming-s 300      (timeout_s 600)
+           (install, then check_layout.py and check_streaming.py, logs into $OUT as they go)
+  With the default lists (2026-11-26): the 250 MB wheel + 87 dependency wheels make 6 folders,
+  so 7 calls; about 7 of the session's 15 device minutes, measured on an H200 (ci/gpu/README.md).
 
 Each call must follow the previous one within ~30 s (the machine is given back when idle, and a
 fresh one is bare: the pieces already unpacked are gone, and `unpack` then says to start again
-from 000). A call carries one folder (<= 60 MiB) plus the working tree (~2 MiB): keep the sum
-under 64 MiB. If `have.txt` (run 1) shows packages missing from DEFAULT_HAVE, pack again with
-`--have have.txt` for the next session.
+from 000). A call carries one folder (<= 58 MiB) plus the working tree (~4 MiB): keep the sum
+1.5 MiB under 64 MiB (the tool counts more than the bytes). The machine's packages are read from
+ci/gpu/machine-packages.txt (its `pip list` of 2026-11-26; else the names of DEFAULT_HAVE): if
+`have.txt` (run 1) differs, copy it there for the next session. The machine's packages of known
+version stay as they are; a carried wheel whose requirements they (or another carried wheel, or a
+pin of vLLM's) do not meet is taken one version lower until they are met, as pip's resolver would
+(xgrammar 0.2.8 -> 0.2.3 for vLLM 0.25.1's apache-tvm-ffi==0.1.9 and the machine's transformers 5);
+what cannot be met is printed as a warning.
 
 Exit status: 0 done; 1 a download, a check or an install step failed (unpack: a piece is
 missing or corrupt); 2 bad usage.
@@ -77,8 +80,13 @@ from kvstack.release.fetch import sha256_of  # noqa: E402  (standard library onl
 DEFAULT_OUT = ROOT / "build" / "gpu-carry"
 DEFAULT_DEST = Path("/tmp/kvstack-carry")
 DEFAULT_VENV = Path("/tmp/kvstack-venv")
-PIECE_MIB = 60
+# the machine's own `pip list --format=freeze` (call 1 writes have.txt: copy it here when it changes)
+MACHINE_PACKAGES = Path(__file__).resolve().parent / "machine-packages.txt"
+PIECE_MIB = 58
 CALL_LIMIT_MIB = 64
+# the run tool refused a folder of 60.0 MiB + a 3.8 MiB tree (63.9 MiB) on 2026-11-26: it counts
+# more than the files' bytes, so a call is planned to leave this much unused
+CALL_MARGIN_MIB = 1.5
 MANIFEST = "manifest.json"
 # The GPU machine's Python: its wheels are cp312 manylinux (x86-64); markers are evaluated for it.
 TARGET_ENV = {
@@ -142,9 +150,12 @@ def torch_mismatch(metadata: str, have: dict, base: str) -> str | None:
 # Optional kernels and media codecs of vLLM's CUDA requirements that the tiny-model checks do not
 # import (vLLM looks for each with find_spec and falls back), and that would cost calls: FlashInfer
 # and its cubins, TileLang, CUTLASS DSL, the MLA/quack/humming kernels, video decoders. `--with NAME`
-# carries one anyway; `--skip NAME` adds one.
+# carries one anyway; `--skip NAME` adds one. Not apache-tvm-ffi (3 MB): xgrammar 0.2.8 imports it,
+# and vLLM imports xgrammar at start-up (H200, 2026-11-26). Without FlashInfer, vLLM 0.25.1's
+# sampler still imports it unless VLLM_USE_FLASHINFER_SAMPLER=0, and Qwen3-Next's GDN prefill
+# needs `gdn_prefill_backend: triton`: the checks set both (tiny_models.apply_gpu_env).
 DEFAULT_SKIP = """
-flashinfer-python flashinfer-cubin flashinfer-jit-cache apache-tvm-ffi tilelang nvidia-cutlass-dsl
+flashinfer-python flashinfer-cubin flashinfer-jit-cache tilelang nvidia-cutlass-dsl
 nvidia-cutlass-dsl-libs-base nvidia-cutlass-dsl-libs-cu13 quack-kernels humming-kernels
 tokenspeed-mla pynvvideocodec torchcodec fastsafetensors nvidia-cudnn-frontend
 """.split()
@@ -168,13 +179,6 @@ def parse_requirement(line: str) -> dict:
     spec = (m.group(3) or "").strip().strip("()").replace(" ", "")
     return {"name": norm(m.group(1)), "extras": extras, "spec": spec,
             "marker": (m.group(4) or "").strip()}
-
-
-def _version_key(v: str) -> tuple:
-    parts = []
-    for p in re.split(r"[.+-]", v):
-        parts.append((0, int(p), "") if p.isdigit() else (1, 0, p))
-    return tuple(parts)
 
 
 def _compare(left: str, op: str, right: str) -> bool:
@@ -251,14 +255,44 @@ def eval_marker(marker: str, env: dict, extras: tuple[str, ...] = ()) -> bool:
     return disj()
 
 
+def pep440_key(version: str) -> tuple:
+    """An ordering key for versions with pre, post and dev parts (0.47.0dev0 < 0.47.0rc1 <
+    0.47.0 < 0.47.0.post1); an unparsable tail counts as a final release."""
+    m = re.match(r"(\d+(?:\.\d+)*)(?:[.-]?(a|b|rc)(\d*))?(?:[.-]?post(\d*))?(?:[.-]?dev(\d*))?",
+                 version.strip().lower())
+    if not m:
+        return ((0,) * 6, (1,), -1, (1,))
+    rel = tuple(int(x) for x in m.group(1).split("."))
+    rel = rel + (0,) * (6 - len(rel))
+    pre = (0, m.group(2), int(m.group(3) or 0)) if m.group(2) else (1,)
+    post = int(m.group(4) or 0) if m.group(4) is not None else -1
+    dev = (0, int(m.group(5) or 0)) if m.group(5) is not None else (1,)
+    if m.group(5) is not None and not m.group(2) and m.group(4) is None:
+        pre = (-1,)  # X.devN comes before X's pre-releases
+    return (rel, pre, post, dev)
+
+
 def spec_satisfied(version: str | None, spec: str) -> bool:
-    """Whether `version` meets `spec` ('>=1,<2'); unknown version or unparsable spec: True."""
+    """Whether `version` meets `spec` ('>=1,<2'); unknown version or unparsable spec: True.
+    Local labels are ignored (2.11.0+cu130 == 2.11.0), pre/post/dev parts ordered (pep440_key)."""
     if not version or not spec:
         return True
+    public = version.split("+", 1)[0]
     try:
-        for clause in spec.split(","):
+        for clause in spec.strip().strip("()").split(","):
             m = re.fullmatch(r"(===|==|!=|<=|>=|~=|<|>)\s*(.+)", clause.strip())
-            if m and not _compare(re.sub(r"[a-z+].*$", "", version) or version, m.group(1), m.group(2)):
+            if not m:
+                continue
+            op, right = m.group(1), m.group(2).strip().split("+", 1)[0]
+            if right.endswith(".*"):  # prefix match of the release numbers
+                release = re.sub(r"\.?[a-z].*$", "", public)
+                eq = release.split(".")[:len(right[:-2].split("."))] == right[:-2].split(".")
+                if eq != (op in ("==", "===")):
+                    return False
+                continue
+            a, b = pep440_key(public), pep440_key(right)
+            if not {"==": a == b, "===": a == b, "!=": a != b, "<": a < b, "<=": a <= b,
+                    ">": a > b, ">=": a >= b, "~=": a >= b}[op]:
                 return False
     except (ValueError, KeyError):
         return True
@@ -486,39 +520,135 @@ def fetch_vllm(pip: list[str], pin: dict, wheels: Path) -> Path:
     return whl
 
 
+def wheel_version(filename: str) -> str:
+    return filename.split("-")[1]
+
+
+def _join_spec(*specs: str) -> str:
+    return ",".join(c for sp in specs for c in sp.strip().strip("()").split(",") if c.strip())
+
+
+def conflicts(metadata: str, got: dict[str, Path], extras: dict[str, set], have: dict
+              ) -> list[tuple[str, str, str, str]]:
+    """(requirer, name, spec, version) for every requirement of vLLM (`metadata`) or of a carried
+    wheel that the carried (or the machine's known) version of `name` does not meet."""
+    versions = {n: wheel_version(p.name) for n, p in got.items()}
+    out = []
+    for requirer, meta in [("vllm", metadata)] + [(n, wheel_metadata(p)) for n, p in got.items()]:
+        for line in requires_dist(meta):
+            req = parse_requirement(line)
+            if not eval_marker(req["marker"], TARGET_ENV, tuple(sorted(extras.get(requirer, ())))):
+                continue
+            version = versions.get(req["name"]) or have.get(req["name"])
+            if version and not spec_satisfied(version, req["spec"]):
+                out.append((requirer, req["name"], req["spec"], version))
+    return out
+
+
 def collect(pip: list[str], metadata: str, have: dict, skip: set, deps_dir: Path
             ) -> tuple[dict[str, Path], list[str]]:
     """The wheels (project -> file in `deps_dir`, cached there) of every requirement of
-    `metadata` the machine lacks, and theirs in turn; and what could not be downloaded."""
-    queue = [(r, "vllm") for r in needed(metadata, (), have, skip)[0]]
+    `metadata` the machine lacks, and theirs in turn; and what could not be downloaded.
+    pip download --no-deps takes each requirement alone, so a wheel can need another version of
+    a project than the one carried (xgrammar 0.2.8 wants apache-tvm-ffi>=0.1.11, vLLM 0.25.1 pins
+    0.1.9): then the wheel that asks is taken one version lower (xgrammar 0.2.3), as pip's
+    resolver would, until every requirement is met; a pin of vLLM's own is imposed on the project.
+    The machine's packages of known version (`--have`) are fixed: a wheel whose requirement they
+    miss steps down too (xgrammar 0.2.5 wants transformers<5, the H200 has 5.17.0)."""
+    bounds: dict[str, str] = {}  # project -> extra specifier from a conflict
+    previous: dict[str, Path] = {}  # project -> its wheel before the first conflict that redid it
+    accepted: set[tuple[str, str]] = set()  # (requirer, project) conflicts left as they are
+    first_req: dict[str, tuple[dict, str]] = {}
     got: dict[str, Path] = {}
     extras_done: dict[str, set] = {}
-    failed = []
-    while queue:
-        req, by = queue.pop(0)
-        name = req["name"]
-        new_extras = set(req["extras"]) - extras_done.get(name, set())
-        if name in got and not new_extras:
-            continue
-        if name not in got:
-            cached = [p for p in deps_dir.glob("*.whl") if wheel_project(p.name) == name]
-            before = set(deps_dir.glob("*.whl"))
-            if not cached:
-                ok, err = pip_download(pip, [f"{name}{req['spec']}"], deps_dir)
-                if not ok:
-                    failed.append(f"{name}{req['spec']} (for {by}): "
-                                  f"{err.splitlines()[-1] if err else '?'}")
-                    continue
-            new = cached or [p for p in set(deps_dir.glob("*.whl")) - before
-                             if wheel_project(p.name) == name]
-            if not new:
-                failed.append(f"{name}{req['spec']} (for {by}): no wheel came")
+    failed: list[str] = []
+
+    def accept(requirer: str, name: str, why: str) -> None:
+        accepted.add((requirer, name))
+        print(f"  warning: {why}; left as it is (pip would refuse this set; the checks do not "
+              "import it, or import it lazily)", file=sys.stderr, flush=True)
+
+    queue = [(r, "vllm") for r in needed(metadata, (), have, skip)[0]]
+    for _round in range(30):
+        while queue:
+            req, by = queue.pop(0)
+            name = req["name"]
+            first_req.setdefault(name, (req, by))
+            new_extras = set(req["extras"]) - extras_done.get(name, set())
+            if name in got and not new_extras:
                 continue
-            got[name] = sorted(new)[-1]
-            print(f"  {got[name].name}  (for {by})", flush=True)
-        extras_done.setdefault(name, set()).update(req["extras"])
-        more, _, _ = needed(wheel_metadata(got[name]), tuple(sorted(extras_done[name])), have, skip)
-        queue.extend((r, name) for r in more if r["name"] not in got or r["extras"])
+            if name not in got:
+                spec = _join_spec(req["spec"], bounds.get(name, ""))
+                fits = [p for p in deps_dir.glob("*.whl") if wheel_project(p.name) == name
+                        and spec_satisfied(wheel_version(p.name), spec)]
+                before = set(deps_dir.glob("*.whl"))
+                err = ""
+                if not fits:
+                    ok, err = pip_download(pip, [f"{name}{spec}" if not spec or spec[0] in "<>=!~"
+                                                 else f"{name} {spec}"], deps_dir)
+                new = fits or [p for p in set(deps_dir.glob("*.whl")) - before
+                               if wheel_project(p.name) == name]
+                if not new and name in previous:  # no version steps down far enough: the first
+                    got[name] = previous.pop(name)
+                    bounds.pop(name, None)
+                    for c in conflicts(metadata, got, extras_done, have):
+                        if c[0] == name:
+                            accept(c[0], c[1], f"{name} {wheel_version(got[name].name)} needs "
+                                   f"{c[1]}{c[2]} (carried or on the machine: {c[3]}), and no "
+                                   f"{name}{spec} came")
+                    continue
+                if not new:
+                    failed.append(f"{name}{spec} (for {by}): "
+                                  f"{(err.splitlines() or ['no wheel came'])[-1]}")
+                    continue
+                got[name] = max(new, key=lambda p: pep440_key(wheel_version(p.name)))
+                print(f"  {got[name].name}  (for {by})", flush=True)
+            extras_done.setdefault(name, set()).update(req["extras"])
+            more, _, _ = needed(wheel_metadata(got[name]), tuple(sorted(extras_done[name])), have, skip)
+            # the machine's packages stay as they are for a dependency's sake (its transformers,
+            # torch): a version they do not meet is a conflict of the wheel that asks
+            more = [r for r in more if have.get(r["name"]) is None]
+            queue.extend((r, name) for r in more if r["name"] not in got or r["extras"])
+        if failed:
+            return got, failed
+        found = [c for c in conflicts(metadata, got, extras_done, have) if c[:2] not in accepted]
+        if not found:
+            return got, failed
+        redone: set[str] = set()
+        for requirer, name, spec, version in found:
+            if requirer == "vllm":  # vLLM's pin wins over another wheel's choice
+                if name not in got:
+                    accept(requirer, name, f"vLLM needs {name}{spec}, the machine has {version}")
+                    continue
+                target, bound = name, spec
+            elif "==" in first_req[requirer][0]["spec"]:  # pinned: cannot step down
+                if have.get(requirer) is not None:  # the machine has its own, which fits
+                    print(f"  warning: {requirer}{first_req[requirer][0]['spec']} (for "
+                          f"{first_req[requirer][1]}) needs {name}{spec}, the machine has "
+                          f"{version}: not carried, the machine's {requirer} "
+                          f"{have[requirer]} kept", file=sys.stderr, flush=True)
+                    got.pop(requirer, None)
+                    extras_done.pop(requirer, None)
+                    redone.add(requirer)
+                    continue
+                accept(requirer, name, f"{requirer}{first_req[requirer][0]['spec']} (for "
+                       f"{first_req[requirer][1]}) needs {name}{spec}, carried or on the machine: "
+                       f"{version}")
+                continue
+            else:  # the wheel that asks for another version steps down one version
+                target, bound = requirer, f"<{wheel_version(got[requirer].name)}"
+            if target in redone:
+                continue
+            redone.add(target)
+            print(f"  conflict: {requirer} needs {name}{spec}, carried or on the machine {version}:"
+                  f" {target} taken again with {bound}", flush=True)
+            bounds[target] = _join_spec(bounds.get(target, ""), bound)
+            previous.setdefault(target, got.pop(target))
+            req, by = first_req[target]
+            queue.append((dict(req, extras=sorted(extras_done.pop(target, set()) | set(req["extras"]))), by))
+    failed.append("conflicting requirements not resolved after 30 rounds: " +
+                  "; ".join(f"{r} needs {n}{s} (carried {v})"
+                            for r, n, s, v in conflicts(metadata, got, extras_done, have)))
     return got, failed
 
 
@@ -528,6 +658,8 @@ def cmd_pack(args) -> int:
     pin = load_pin("vllm").values  # the base in effect ($KVSTACK_BASE, else vllm/default)
     wheels = args.wheels or cache_dir() / "wheels"
     deps_dir = args.wheels_deps or cache_dir() / "wheels-cp312"
+    if args.have is None and MACHINE_PACKAGES.exists():
+        args.have = MACHINE_PACKAGES
     have = read_have(args.have)
     skip = ({norm(n) for n in DEFAULT_SKIP} | {norm(n) for n in args.skip}) - {norm(n) for n in args.with_}
     pip = args.pip.split() if args.pip else [sys.executable, "-m", "pip"]
@@ -592,8 +724,9 @@ def cmd_pack(args) -> int:
                           if p["folder"] == f) for f in manifest["folders"])
         print(f"a call carries one folder (<= {biggest / 2**20:.1f} MiB) + the working tree "
               f"({tree / 2**20:.1f} MiB) = {(biggest + tree) / 2**20:.1f} MiB of {CALL_LIMIT_MIB}")
-        if biggest + tree > CALL_LIMIT_MIB * 2**20:
-            print("warning: over the limit of one call: pack again with a smaller --piece-mib",
+        if biggest + tree > (CALL_LIMIT_MIB - CALL_MARGIN_MIB) * 2**20:
+            print(f"warning: over the limit of one call less a {CALL_MARGIN_MIB:g} MiB margin (the run "
+                  "tool counts more than the bytes): pack again with a smaller --piece-mib",
                   file=sys.stderr)
     rel = args.out.relative_to(ROOT) if args.out.is_relative_to(ROOT) else args.out
     print("run calls, one right after the other (the machine goes back after ~30 s idle):")
@@ -601,9 +734,8 @@ def cmd_pack(args) -> int:
         extra = " && python3 -m pip list --format=freeze > $OUT/have.txt" if i == 0 else ""
         print(f"  carry [\"{rel}/{folder}\"]  command: python3 ci/gpu/carry.py unpack "
               f"{rel}/{folder}{extra}")
-    print(f"  command: export KVSTACK_BASE={base}; python3 ci/gpu/carry.py install && PYTHONUNBUFFERED=1 "
-          f"{DEFAULT_VENV}/bin/python ci/gpu/check_streaming.py --timeout 270 2>&1 | "
-          "tee $OUT/check_streaming.log   (timeout_s 600)")
+    print(f"  command: export KVSTACK_BASE={base}; bash ci/gpu/run_checks.sh --layout-s 180 "
+          "--streaming-s 300   (timeout_s 600; install, both checks, logs in $OUT)")
     return 0
 
 
@@ -722,7 +854,8 @@ def main(argv=None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("pack", help="(here) download and split into build/gpu-carry/NNN")
     p.add_argument("--dry-run", action="store_true", help="list what would be downloaded; no network")
-    p.add_argument("--have", type=Path, help="`python3 -m pip list --format=freeze` of the machine")
+    p.add_argument("--have", type=Path, help="`python3 -m pip list --format=freeze` of the machine "
+                   "(default ci/gpu/machine-packages.txt, else the names of DEFAULT_HAVE)")
     p.add_argument("--metadata", type=Path, help="vLLM's METADATA/PKG-INFO to read requirements from")
     p.add_argument("--skip", action="append", default=[], metavar="NAME", help="do not carry NAME")
     p.add_argument("--with", dest="with_", action="append", default=[], metavar="NAME",

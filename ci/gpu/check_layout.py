@@ -33,6 +33,7 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -55,6 +56,11 @@ def child(model: str, backend: str, work: Path, out: Path) -> None:
     kw = tiny_models.llm_kwargs(model, model_dir, max_model_len=512)
     if backend != "CPU":
         kw.update(attention_config={"backend": backend}, gpu_memory_utilization=0.3)
+        kw.update(tiny_models.apply_gpu_env(model))  # no FlashInfer carried: its fallbacks
+        if os.environ.get("KVSTACK_LAYOUT_JOBS", "1") != "1":
+            # runs share the GPU: a fixed KV cache skips vLLM's memory profiling, which fails
+            # when another process frees device memory meanwhile
+            kw.update(gpu_memory_utilization=0.08, kv_cache_memory_bytes=512 << 20)
     llm = LLM(**kw)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
                         SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
@@ -67,11 +73,13 @@ def child(model: str, backend: str, work: Path, out: Path) -> None:
     os._exit(0)  # skip engine teardown: the result is written
 
 
-def run(model: str, backend: str, work: Path, tag: str, overlay_dir: Path | None) -> list | str:
+def run(model: str, backend: str, work: Path, tag: str, overlay_dir: Path | None,
+        jobs: int = 1) -> list | str:
     """One greedy run in a child process; `overlay_dir` (when set) is put in front of vLLM."""
     out = work / f"{backend}-{model}-{tag}.json"
     out.unlink(missing_ok=True)
     env = {k: v for k, v in os.environ.items() if k != "KVSTACK_OVERLAY"}
+    env["KVSTACK_LAYOUT_JOBS"] = str(jobs)
     if overlay_dir:
         env["KVSTACK_OVERLAY"] = str(overlay_dir)
     res = subprocess.run([sys.executable, __file__, "--child", model, backend, str(work), str(out)],
@@ -98,6 +106,9 @@ def main(argv=None) -> int:
                     help="the ladder is the series' patches with this Kvstack-Issue (default 3)")
     ap.add_argument("--work", type=Path, default=ROOT / "build" / "gpu-check",
                     help="scratch folder: models, overlay, per-run results and logs")
+    ap.add_argument("--jobs", type=int, default=1,
+                    help="runs at a time (default 1); above 1 each GPU run takes a fixed 512 MiB "
+                         "KV cache (kv_cache_memory_bytes) instead of profiling device memory")
     ap.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
@@ -146,10 +157,14 @@ def main(argv=None) -> int:
     failures = 0
     backends = [b for b in args.backends.split(",") if b]
     models = [m for m in args.models.split(",") if m]
-    for backend in backends:
-        for model in models:
-            base = run(model, backend, args.work, "unpatched", sides["unpatched"])
-            patched = run(model, backend, args.work, "patched", sides["patched"])
+    pairs = [(b, m) for b in backends for m in models]
+    jobs = max(1, args.jobs)
+    with ThreadPoolExecutor(max_workers=jobs) as pool:  # --jobs runs side by side
+        futures = [(b, m, pool.submit(run, m, b, args.work, "unpatched", sides["unpatched"], jobs),
+                    pool.submit(run, m, b, args.work, "patched", sides["patched"], jobs))
+                   for b, m in pairs]
+        for backend, model, f_base, f_patched in futures:  # in order, as each pair completes
+            base, patched = f_base.result(), f_patched.result()
             if isinstance(base, str) or isinstance(patched, str):
                 verdict = base if isinstance(base, str) else patched
                 failures += 1

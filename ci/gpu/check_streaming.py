@@ -206,10 +206,12 @@ def _engine_env(device: str) -> None:
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    if device == "cpu":
-        from kvstack.testbed import tiny_models
+    from kvstack.testbed import tiny_models
 
+    if device == "cpu":
         tiny_models.apply_engine_env()  # KV space, and the sampler uncompiled (eager, same tokens)
+    else:
+        tiny_models.apply_gpu_env()  # no FlashInfer carried: vLLM's sampler without it
 
 
 class Probe:

@@ -430,6 +430,22 @@ def apply_engine_env(environ: dict[str, str] | None = None) -> dict[str, str]:
     return added
 
 
+def apply_gpu_env(model: str | None = None, environ: dict[str, str] | None = None) -> dict:
+    """On a GPU machine without FlashInfer (ci/gpu/carry.py leaves it out), what vLLM 0.25.1
+    needs to start: its sampler imports FlashInfer unless VLLM_USE_FLASHINFER_SAMPLER=0 (set here
+    where unset). Returns the engine keyword arguments the model also needs: Qwen3-Next's GDN
+    prefill in Triton rather than FlashInfer's kernel. Nothing when FlashInfer is installed."""
+    import importlib.util
+
+    environ = os.environ if environ is None else environ
+    if importlib.util.find_spec("flashinfer") is not None:
+        return {}
+    environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    if model is not None and "Qwen3Next" in _spec(model).architecture:  # GDN layers
+        return {"additional_config": {"gdn_prefill_backend": "triton"}}
+    return {}
+
+
 def _spec(name: str) -> TinyModel:
     try:
         return MODELS[name]

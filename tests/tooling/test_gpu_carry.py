@@ -52,8 +52,9 @@ Requires-Dist: torch==2.11.0
 
 def test_dry_run_lists_what_is_missing_on_the_machine(tmp_path):
     (tmp_path / "METADATA").write_text(METADATA)
+    (tmp_path / "have.txt").write_text("regex\nnumba\nsix\ntorch\n")  # names, versions unknown
     res = run("pack", "--dry-run", "--metadata", tmp_path / "METADATA", "--out", tmp_path / "out",
-              "--wheels", tmp_path / "wheels")
+              "--wheels", tmp_path / "wheels", "--have", tmp_path / "have.txt")
     assert res.returncode == 0, res.stderr
     out = res.stdout
     from kvstack.release.pins import load_pin
@@ -236,3 +237,102 @@ def test_install_into_a_venv_over_a_venv_python(carry, tmp_path):
                            capture_output=True, text=True, timeout=60)
     assert probe.returncode == 0, probe.stderr
     assert probe.stdout.strip().startswith(str(venv))  # in the new venv, pytest from the parent
+
+
+def test_defaults_fit_a_call_and_carry_what_vllm_imports(carry):
+    """Found on an H200 (2026-11-26): a 60 MiB folder + the 3.8 MiB tree was refused by the run
+    tool, which counts more than the bytes; and vLLM 0.25.1 did not start without apache-tvm-ffi
+    (xgrammar imports it)."""
+    tree = carry.tree_bytes()
+    assert tree is not None
+    assert carry.PIECE_MIB * 2**20 + 64 * 2**10 + tree <= \
+        (carry.CALL_LIMIT_MIB - carry.CALL_MARGIN_MIB) * 2**20  # a piece, its manifest, the tree
+    assert "apache-tvm-ffi" not in carry.DEFAULT_SKIP
+    assert "flashinfer-python" in carry.DEFAULT_SKIP
+
+
+def test_gpu_env_without_flashinfer():
+    from kvstack.testbed import tiny_models
+
+    env: dict[str, str] = {}
+    if importlib.util.find_spec("flashinfer") is not None:
+        assert tiny_models.apply_gpu_env("qwen3next", env) == {} and env == {}
+        return
+    assert tiny_models.apply_gpu_env("qwen3next", env) == {
+        "additional_config": {"gdn_prefill_backend": "triton"}}
+    assert env == {"VLLM_USE_FLASHINFER_SAMPLER": "0"}
+    env = {"VLLM_USE_FLASHINFER_SAMPLER": "1"}  # a user's choice is kept
+    assert tiny_models.apply_gpu_env("llama", env) == {} and env["VLLM_USE_FLASHINFER_SAMPLER"] == "1"
+
+
+def test_run_checks_usage():
+    script = REPO / "ci" / "gpu" / "run_checks.sh"
+    res = subprocess.run(["bash", str(script), "--help"], capture_output=True, text=True, timeout=30)
+    assert res.returncode == 0 and "--no-install" in res.stdout and "Exit status" in res.stdout
+    res = subprocess.run(["bash", str(script), "--frobnicate"], capture_output=True, text=True,
+                         timeout=30)
+    assert res.returncode == 2 and "unknown argument --frobnicate" in res.stderr
+
+
+FAKE_PIP = """\
+import importlib.util, shutil, sys
+from pathlib import Path
+spec = importlib.util.spec_from_file_location("carry", sys.argv[1])
+carry = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(carry)
+index, args = Path(sys.argv[2]), sys.argv[3:]
+dest = Path(args[args.index("-d") + 1])
+req = carry.parse_requirement(args[-1])
+fits = [p for p in index.glob("*.whl") if carry.wheel_project(p.name) == req["name"]
+        and carry.spec_satisfied(carry.wheel_version(p.name), req["spec"])]
+if not fits:
+    sys.exit("ERROR: No matching distribution found for " + args[-1])
+best = max(fits, key=lambda p: carry.pep440_key(carry.wheel_version(p.name)))
+shutil.copy(best, dest / best.name)
+"""
+
+
+def _wheel(index: Path, name: str, version: str, requires: list[str]) -> None:
+    import zipfile
+
+    meta = f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n" + "".join(
+        f"Requires-Dist: {r}\n" for r in requires)
+    with zipfile.ZipFile(index / f"{name}-{version}-py3-none-any.whl", "w") as z:
+        z.writestr(f"{name}-{version}.dist-info/METADATA", meta)
+
+
+def test_conflicts_step_the_asking_wheel_down(carry, tmp_path, capsys):
+    """As pip's resolver would: a wheel wanting another version of a vLLM pin or of a machine
+    package steps down (gram 0.3 -> 0.1); a vLLM pin the machine's own packages cannot meet is
+    not carried over the machine's version (pinned 2.0 needs np<2, the machine has np 2.5 and its
+    own pinned 2.1); a pre-release tail orders right (0.2.post1 < 0.3)."""
+    index, deps = tmp_path / "index", tmp_path / "deps"
+    index.mkdir()
+    deps.mkdir()
+    _wheel(index, "gram", "0.3", ["ffi>=1.2"])
+    _wheel(index, "gram", "0.2.post1", ["ffi>=1.0", "tf<5"])
+    _wheel(index, "gram", "0.1", ["ffi>=1.0", "tf>=4"])
+    _wheel(index, "ffi", "1.0", [])
+    _wheel(index, "ffi", "1.2", [])
+    _wheel(index, "pinned", "2.0", ["np<2"])
+    (tmp_path / "pip.py").write_text(FAKE_PIP)
+    pip = [sys.executable, str(tmp_path / "pip.py"), str(SCRIPT), str(index)]
+    metadata = "Requires-Dist: gram>=0.1\nRequires-Dist: ffi==1.0\nRequires-Dist: pinned==2.0\n"
+    have = {"tf": "5.1", "np": "2.5", "pinned": "2.1"}
+    got, failed = carry.collect(pip, metadata, have, set(), deps)
+    assert failed == []
+    assert {n: carry.wheel_version(p.name) for n, p in got.items()} == {"gram": "0.1", "ffi": "1.0"}
+    out = capsys.readouterr()
+    assert "gram taken again with <0.3" in out.out and "gram taken again with <0.2.post1" in out.out
+    assert "the machine's pinned 2.1 kept" in out.err
+    assert carry.conflicts(metadata, got, {}, have) == [("vllm", "pinned", "==2.0", "2.1")]
+
+
+def test_spec_satisfied_with_pre_and_post_releases(carry):
+    f = carry.spec_satisfied
+    assert f("0.66b2", "==0.66b2") and not f("0.66b2", "==0.66b3") and not f("0.66b2", "!=0.66b2")
+    assert not f("0.2.5.post1", ">=0.2.1,<0.2.8,<0.2.5.post1") and f("0.2.3", "<0.2.5.post1")
+    assert not f("0.50.0", "<0.48,>=0.47.0dev0") and f("0.47.1", "<0.48,>=0.47.0dev0")
+    assert f("1.0", "==1.0.0") and f("2.1", "(>=2.0)") and f("2.11.0+cu130", ">=2.11")
+    assert sorted(["0.47.0", "0.47.0.post1", "0.47.0dev0", "0.47.0rc1"], key=carry.pep440_key) == [
+        "0.47.0dev0", "0.47.0rc1", "0.47.0", "0.47.0.post1"]

@@ -63,3 +63,15 @@ def test_series_without_a_ladder_is_refused(tmp_path):
     err = _run_on_series(tmp_path, "Subject: other\n\nKvstack-Issue: 4\n---\n"
                          "--- a/vllm/envs.py\n+++ b/vllm/envs.py\n@@ -1,1 +1,1 @@\n-a\n+b\n")
     assert "no patch in" in err and "Kvstack-Issue: 3" in err
+
+
+def test_runs_side_by_side_with_jobs(tmp_path):
+    """--jobs 2 (as ci/gpu/run_checks.sh runs it with 6 on a GPU): the pair's two runs at once,
+    each in its own process, with the same verdict and the overlay still imported."""
+    res = subprocess.run([sys.executable, str(SCRIPT), "--backends", "CPU", "--models", "llama",
+                          "--jobs", "2", "--work", str(tmp_path)],
+                         capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert res.stdout.strip().splitlines()[-1].startswith("RESULT 1/1 identical"), res.stdout
+    unpatched = json.loads((tmp_path / "CPU-llama-unpatched.json").read_text())
+    assert unpatched["overlaid_modules"]
