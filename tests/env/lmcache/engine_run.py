@@ -11,7 +11,8 @@ offline reference tokens from it). With $KVSTACK_OVERLAY set (kvstack.release.ov
 vLLM: the installed one with kvstack's vLLM series taken out. LMCache's backend is chosen
 with the usual LMCACHE_* environment variables. The last stdout line is JSON:
 {"tokens": [[...], ...], "hits": [N, ...], "restored": [N, ...], "cached": [N, ...], "local": [N, ...],
-"block_size": N, "groups": [spec class name, ...], "hma_off": bool, "lmcache_supports_hma": bool,
+"saved": [[N, ...], ...] (hybrid state positions saved per request), "block_size": N,
+"groups": [spec class name, ...], "hma_off": bool, "lmcache_supports_hma": bool,
 "hma_fallback_reason": str|null, "warnings": [...], "indexed": N|null} where hits are the external hit
 tokens LMCache reported for each request (a prefix length), restored the hybrid states restored, cached the prompt tokens
 not computed (vLLM's num_cached_tokens: its own prefix cache and LMCache's hits), local the tokens vLLM's
@@ -83,6 +84,8 @@ def main(argv=None) -> int:
     ap.add_argument("--with-streaming", default=None, metavar="REGEX",
                     help="MultiConnector: StreamingConnector for these layers + LMCacheConnectorV1")
     ap.add_argument("--page-tokens", type=int, default=32, help="the StreamingConnector's page")
+    ap.add_argument("--lmcache-extra", default=None, metavar="JSON",
+                    help="kv_connector_extra_config of LMCacheConnectorV1 (a JSON object)")
     ap.add_argument("--zero-restored-kv-from", type=int, default=None, metavar="N",
                     help="negative control: from prompt N on, zero the K/V LMCache restores")
     args = ap.parse_args(argv)
@@ -149,7 +152,9 @@ def main(argv=None) -> int:
         kw["kv_transfer_config"] = KVTransferConfig(
             **with_streaming_config(args.with_streaming, args.page_tokens))
     elif args.lmcache:
-        kw["kv_transfer_config"] = KVTransferConfig(kv_connector="LMCacheConnectorV1", kv_role="kv_both")
+        kw["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="LMCacheConnectorV1", kv_role="kv_both",
+            kv_connector_extra_config=json.loads(args.lmcache_extra) if args.lmcache_extra else {})
     llm = LLM(**kw)
     block_size = llm.llm_engine.vllm_config.cache_config.block_size
     # LMCache creates its loggers on import; tap them too.
@@ -159,7 +164,7 @@ def main(argv=None) -> int:
 
     prompts = json.loads(Path(args.prompts).read_text())
     sp = SamplingParams(temperature=0, max_tokens=args.max_tokens)
-    tokens, hits, restored, cached, local = [], [], [], [], []
+    tokens, hits, restored, cached, local, saved = [], [], [], [], [], []
     for n, p in enumerate(prompts):
         zero_kv[0] = args.zero_restored_kv_from is not None and n >= args.zero_restored_kv_from
         if args.kill_pgid is not None and n == args.kill_before:
@@ -179,6 +184,8 @@ def main(argv=None) -> int:
         hits.append(h[-1] if h else 0)
         r = [int(m.group(1)) for line in new for m in [re.search(r"restored hybrid state at (\d+)", line)] if m]
         restored.append(r[-1] if r else 0)
+        saved.append([int(m.group(1)) for line in new
+                      for m in [re.search(r"saved hybrid state at (\d+)", line)] if m])
         c = [int(m.group(1)) for line in new
              for m in [re.search(r"Inference Engine computed tokens: (\d+)", line)] if m]
         local.append(c[-1] if c else 0)
@@ -202,6 +209,7 @@ def main(argv=None) -> int:
                               if hasattr(c, "stats")][0]
     indexed = [int(m.group(1)) for line in tap.lines for m in [re.search(r"Indexed (\d+) chunk", line)] if m]
     print(json.dumps({"tokens": tokens, "hits": hits, "restored": restored, "cached": cached, "local": local,
+                      "saved": saved,
                       "block_size": llm.llm_engine.vllm_config.cache_config.block_size,
                       "warnings": warnings,
                       "indexed": indexed[-1] if indexed else None, **extra}))

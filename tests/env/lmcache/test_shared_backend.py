@@ -18,7 +18,8 @@ pytest.importorskip("vllm")
 pytest.importorskip("lmcache")
 
 from kvstack.testbed.backend_servers import start_or_skip as _start, stop as _stop  # noqa: E402
-from test_e2e_cpu import PROMPT_A, PROMPT_EXT, qwen_baseline, qwen_model, run_engine, tiny  # noqa: E402,F401
+from test_e2e_cpu import (PROMPT_A, PROMPT_EXT, QWEN_STEPS, qwen_baseline, qwen_model,  # noqa: E402,F401
+                          run_engine, tiny)
 
 
 @pytest.mark.parametrize("backend", ["lmcache_server", "redis"])
@@ -30,13 +31,14 @@ def test_second_engine_process_restores_kv_and_state_from_the_backend(backend, q
         # No local tier in any engine: what a later process finds can only come from the server.
         remote = {"LMCACHE_LOCAL_CPU": "False", "LMCACHE_MAX_LOCAL_CPU_SIZE": "0.5",
                   "LMCACHE_REMOTE_URL": url, "LMCACHE_REMOTE_SERDE": "naive"}
-        a = run_engine(model, "qwen3next", [PROMPT_A], tmp_path / "a", lmcache=True, env=remote)
+        a = run_engine(model, "qwen3next", [PROMPT_A], tmp_path / "a", lmcache=True, env=remote,
+                       extra_args=QWEN_STEPS)
         assert a["hits"] == [0] and a["tokens"] == [qwen_baseline["A"]]
 
         # B: a new process; its engine KV is wiped before each prompt, so every hit is a load.
         b = run_engine(model, "qwen3next", [PROMPT_A, PROMPT_EXT], tmp_path / "b", lmcache=True,
-                       wipe=True, env=remote)
-        assert b["hits"] == [64, 64] and b["restored"] == [64, 64], b
+                       wipe=True, env=remote, extra_args=QWEN_STEPS)
+        assert b["hits"] == [96, 96] and b["restored"] == [96, 96], b
         assert b["tokens"] == [qwen_baseline["A"], qwen_baseline["EXT"]]
 
         if backend == "redis":
@@ -44,16 +46,16 @@ def test_second_engine_process_restores_kv_and_state_from_the_backend(backend, q
             # same): B's run with every restored state zeroed gives other tokens, so the equal
             # tokens above say the restored state is right, not merely that the model ignores it.
             z = run_engine(model, "qwen3next", [PROMPT_A, PROMPT_EXT], tmp_path / "z", lmcache=True,
-                           wipe=True, env=remote, extra_args=["--zero-restored-state"])
+                           wipe=True, env=remote, extra_args=[*QWEN_STEPS, "--zero-restored-state"])
             # (B saved its second prompt's state at 128 too: this new process restores it)
-            assert z["restored"][0] == 64 and z["restored"][1] >= 64, z
+            assert z["restored"][0] == 96 and z["restored"][1] >= 96, z
             assert z["tokens"] != [qwen_baseline["A"], qwen_baseline["EXT"]], z
 
         # C: the server dies between its two prompts: the second is recomputed, same tokens.
         c = run_engine(model, "qwen3next", [PROMPT_A, PROMPT_EXT], tmp_path / "c", lmcache=True,
-                       wipe=True, env=remote, extra_args=["--kill-pgid", str(server.pid)])
+                       wipe=True, env=remote, extra_args=[*QWEN_STEPS, "--kill-pgid", str(server.pid)])
         assert server.wait(timeout=30) is not None
-        assert c["restored"][0] == 64 and c["restored"][1] == 0, c
+        assert c["restored"][0] == 96 and c["restored"][1] == 0, c
         assert c["tokens"] == [qwen_baseline["A"], qwen_baseline["EXT"]]
         assert c["warnings"], "expected a warning about the lost LMCache backend"
     finally:

@@ -19,8 +19,8 @@ what it stored. Phase B: three new servers read: llama with PYTHONHASHSEED unset
 per-process salt), Qwen3-Next with PYTHONHASHSEED=12345, and the `builtin` control with 12345.
 
 - the same prompt: the second server reports cached tokens (llama: 96, three whole chunks of the
-  100-token prompt; Qwen3-Next: 64, where the 64-token step ended on a chunk boundary and the GDN
-  state was saved) and gives the first server's tokens, which were computed without any hit (the
+  100-token prompt; Qwen3-Next: 96 too, where the second prefill step was cut on a chunk boundary
+  and the GDN state was saved) and gives the first server's tokens, which were computed without any hit (the
   offline test compares with an engine without connector);
 - the control: `builtin` on both sides misses (0 cached, the same tokens), or the test could not
   fail; its writer logged LMCache's PYTHONHASHSEED warning, the digest servers did not;
@@ -81,7 +81,7 @@ P = prompt(0)  # both models, both phases; the control's too
 P_MODEL = prompt(1)  # written by Qwen3-Next only, read by llama
 P_SALT = prompt(2)  # written by llama with cache_salt SALT_A
 SALT_A, SALT_B = "tenant-a-7f3c9e", "tenant-b-0d41a2"
-HITS = {"llama": 96, "qwen3next": 64}  # see the module docstring
+HITS = {"llama": 96, "qwen3next": 96}  # see the module docstring
 HASHSEED_WARNING = "Centralized cache sharing detected but PYTHONHASHSEED not set"
 
 # (server, PYTHONHASHSEED (None: unset), LMCache hash algorithm (None: kvstack's default))
@@ -246,7 +246,7 @@ def test_second_server_reports_cached_tokens_and_gives_the_same_tokens(reader, w
     log = reader.log.read_text(errors="replace")
     assert HASHSEED_WARNING not in log
     if model == "qwen3next":
-        assert "restored hybrid state at 64" in log
+        assert "restored hybrid state at 96" in log
 
 
 def test_stock_builtin_hash_misses_across_servers(reader_builtin, written):

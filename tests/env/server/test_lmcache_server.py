@@ -118,7 +118,8 @@ def test_greedy_completions_equal_offline_generate(server, expected):
 @BOTH
 def test_repeat_is_an_lmcache_hit_on_metrics_with_the_same_tokens(server, expected):
     """100-token prompt, 64-token steps, 32-token chunks: the repeat restores K/V and the hybrid
-    state at 64 tokens (where a step ended on a chunk boundary) and recomputes the rest."""
+    state at 96 tokens (the second prefill step, 64 -> 100, is cut at the chunk boundary 96 where
+    the state is saved: vLLM 0010 / LMCache 0018) and recomputes the rest."""
     name = f"repeat-{server.backend}"
     p = REPEAT[name]
     client = server.client()
@@ -129,10 +130,10 @@ def test_repeat_is_an_lmcache_hit_on_metrics_with_the_same_tokens(server, expect
     after = server.wait_metrics(lambda m: m["vllm:external_prefix_cache_hits_total"]
                                 > before["vllm:external_prefix_cache_hits_total"])
     assert after["vllm:external_prefix_cache_hits_total"] - before[
-        "vllm:external_prefix_cache_hits_total"] == 64
+        "vllm:external_prefix_cache_hits_total"] == 96
     assert after["vllm:external_prefix_cache_queries_total"] - before[
         "vllm:external_prefix_cache_queries_total"] == 2 * len(p)
-    assert "restored hybrid state at 64" in server.log.read_text()
+    assert "restored hybrid state at 96" in server.log.read_text()
 
 
 @BOTH
