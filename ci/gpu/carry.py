@@ -591,6 +591,7 @@ def collect(pip: list[str], metadata: str, have: dict, skip: set, deps_dir: Path
                 if not new and name in previous:  # no version steps down far enough: the first
                     got[name] = previous.pop(name)
                     bounds.pop(name, None)
+                    extras_done.setdefault(name, set()).update(req["extras"])
                     for c in conflicts(metadata, got, extras_done, have):
                         if c[0] == name:
                             accept(c[0], c[1], f"{name} {wheel_version(got[name].name)} needs "
