@@ -7,10 +7,12 @@ runs it: an engine core that dies surfaces as an exception). A 1,000-token prefi
 and hybrid states at 256, 512, 768); a prompt extending it hits 768 tokens and, between its lookup
 and its load, the chunk 512-768 is removed from LMCache (fault_site/sitecustomize.py, in the engine
 core process): the load comes back one chunk short. With kv_load_failure_policy="recompute" (vLLM's
-default, "fail", fails the request alone) vLLM 0.32 patch 0009 recomputes the request from token 0 and
-LMCache 0014 saves nothing in the failed step; the request's tokens equal a run without
+default, "fail", fails the request alone) vLLM 0.32 patch 0009 / 0.25 patch 0020 recomputes the request
+from token 0 and LMCache 0.32 0014 / 0.25 0016 saves nothing in the failed step; the request's tokens equal a run without
 LMCache, the engine serves on, and a repeat of the prompt hits again with exact tokens. The same with
-a retrieve that raises. Negative control: the same run with vLLM 0009 taken out (an overlay) dies.
+a retrieve that raises. Negative control: the same run with that vLLM patch taken out (an overlay) dies.
+Both bases: stock vLLM 0.32 raises RuntimeError for block-level failures with several KV cache groups,
+stock vLLM 0.25 unpacks the block ids as one group (ValueError); either stops the engine core.
 """
 
 from __future__ import annotations
@@ -37,15 +39,18 @@ sys.path.insert(0, str(HERE))
 
 from kvtest import on_default_base  # noqa: E402
 
-short_load_base = pytest.mark.skipif(not on_default_base(), reason="issue 29 point 1: base 0.32 only so far "
-                                "(vLLM 0.32 patch 0009, LMCache 0.32 patch 0014)")
 
 CHUNK = 256
 PREFIX = [(i * 37) % 900 + 3 for i in range(1000)]  # chunks 0-256, 256-512, 512-768 (+ a partial one)
 EXT = PREFIX + [5, 6, 7, 8] * 25  # extends it by 100 tokens: LMCache hit 768 (state at 768)
 EXT2 = PREFIX + [9, 10, 11] * 30  # another extension, for the raising retrieve
 OTHER = [(i * 11) % 700 + 40 for i in range(300)]
-VLLM_PATCH = "0009-kvstack-scheduler-block-level-KV-load-failures-on-mo.patch"
+# the vLLM patch under test, and what stock vLLM says when a short load stops its engine core
+VLLM_PATCH, STOCK_DEATH = (
+    ("0009-kvstack-scheduler-block-level-KV-load-failures-on-mo.patch",
+     "not supported for models with multiple KV cache groups") if on_default_base() else
+    ("0020-kvstack-scheduler-block-level-KV-load-failures-on-mo.patch",
+     "too many values to unpack"))
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +128,6 @@ def baseline(qwen_model, tmp_path_factory):
     return dict(zip(["PREFIX", "EXT", "OTHER", "EXT2"], out["tokens"]))
 
 
-@short_load_base
 def test_short_and_failed_loads_recompute_and_the_engine_serves_on(qwen_model, baseline, tmp_path):
     t0 = time.monotonic()
     out = run(qwen_model, [PREFIX, EXT, OTHER, EXT, EXT2, EXT2], tmp_path,
@@ -155,24 +159,23 @@ def test_short_and_failed_loads_recompute_and_the_engine_serves_on(qwen_model, b
     print(f"fault run: {time.monotonic() - t0:.1f} s")
 
 
-@short_load_base
 def test_negative_control_stock_scheduler_dies(qwen_model, tmp_path):
-    """vLLM 0.32 patch 0009 taken out (the rest of the series and LMCache's patches kept): the
-    short load stops the engine core."""
+    """The vLLM patch taken out (the rest of the series and LMCache's patches kept): the short
+    load stops the engine core."""
     from kvstack.release.overlay import build_overlay, series_patches
     from kvstack.release.pins import load_pin
 
     patch = next(p for p in series_patches(load_pin("vllm").series_dir) if p.name == VLLM_PATCH)
     overlay = tmp_path / "overlay"
     build_overlay([patch], Path(sysconfig.get_paths()["purelib"]), overlay, reverse=True)
-    assert "multiple KV cache groups" in (overlay / "vllm/v1/core/sched/scheduler.py").read_text()
+    assert "_handle_invalid_blocks_multi_group" not in (overlay / "vllm/v1/core/sched/scheduler.py").read_text()
     out = run(qwen_model, [PREFIX, EXT, OTHER], tmp_path / "run", faults=[None, "drop", None],
               env={"KVSTACK_OVERLAY": str(overlay)})
     assert out["error"] is not None and len(out["tokens"]) == 1, out
-    assert "not supported for models with multiple KV cache groups" in out["log"], out["log"][-4000:]
+    assert STOCK_DEATH in out["log"], out["log"][-4000:]
 
 
-# -- the scheduler's part alone (vLLM 0.32 patch 0009), without an engine: seconds ---------------
+# -- the scheduler's part alone (vLLM 0.32 0009 / 0.25 0020), without an engine: seconds -------
 
 def _scheduler_stub(groups_block_sizes, running, waiting=(), recompute=True):
     """A Scheduler whose state is the bits _handle_invalid_blocks reads (no engine)."""
@@ -189,7 +192,9 @@ def _scheduler_stub(groups_block_sizes, running, waiting=(), recompute=True):
         get_block_ids=lambda req_id: block_ids[req_id], evict_blocks=evicted.update,
         block_pool=SimpleNamespace(null_block=SimpleNamespace(block_id=0)))
     sched.running = list(running)
-    sched.kv_holding_waiting = list(waiting)
+    sched.kv_holding_waiting = list(waiting)  # vLLM 0.32
+    sched.skipped_waiting = list(waiting)  # vLLM 0.25
+    sched.num_sampled_tokens_per_step = 1
     sched.requests = {r.request_id: r for r in [*running, *waiting]}
     sched.recompute_kv_load_failures = recompute
     sched.failed_recving_kv_req_ids = set()
@@ -206,6 +211,7 @@ class _Req:
     def __init__(self, request_id, num_computed_tokens, block_ids, status):
         self.request_id, self.num_computed_tokens, self.block_ids = request_id, num_computed_tokens, block_ids
         self.status, self.skip_reading_prefix_cache = status, False
+        self.num_output_placeholders = self.async_tokens_to_discard = 0
 
 
 def _req(req_id, num_computed, block_ids, status=None):
@@ -214,7 +220,6 @@ def _req(req_id, num_computed, block_ids, status=None):
     return _Req(req_id, num_computed, block_ids, status or RequestStatus.RUNNING)
 
 
-@short_load_base
 def test_unit_scheduler_recomputes_from_zero_only_the_requests_that_hold_an_invalid_block():
     # group 0: attention (block 32), group 1: a GDN group; "a" loaded 96 tokens (blocks 5, 6, 7)
     # and ran 32 more this step; "b" holds none of the invalid blocks; "c" shares block 6 with "a"
@@ -226,7 +231,8 @@ def test_unit_scheduler_recomputes_from_zero_only_the_requests_that_hold_an_inva
     skip = sched._handle_invalid_blocks({6, 0}, {"a": 32, "b": 8, "c": 32})
     assert skip == {"a", "c"}
     assert sched.running == [b]
-    assert sched.preempted == [("c", True), ("a", True)]  # reversed: back in FIFO order
+    # reversed: back in FIFO order; their in-flight output is dropped (0.32: drop_stale_output)
+    assert sched.preempted == [("c", on_default_base()), ("a", on_default_base())]
     assert a.skip_reading_prefix_cache and c.skip_reading_prefix_cache and not b.skip_reading_prefix_cache
     assert evicted == {5, 6, 7, 8, 11, 12, 30, 31}  # every group's blocks of a and c, never the null block
     assert sched.prev_step_scheduled_req_ids == {"b"}
@@ -236,7 +242,30 @@ def test_unit_scheduler_recomputes_from_zero_only_the_requests_that_hold_an_inva
     assert sched._handle_invalid_blocks({42}, {"d": 32}) == set()  # 32 prior tokens: block 40 only
 
 
-@short_load_base
+@pytest.mark.skipif(on_default_base(), reason="vLLM 0.25 only: 0.32 drains in-flight frames itself "
+                    "(drop_stale_output)")
+def test_unit_scheduler_drops_the_later_async_frames_of_a_preempted_request():
+    """Async scheduling on vLLM 0.25: a preempted request's output frames of later steps, already in
+    flight, are dropped on return (async_tokens_to_discard); this step's frame, skipped by
+    update_from_output, is not counted."""
+    from types import SimpleNamespace
+
+    a = _req("a", 97, ([5, 6, 7, 8], [0, 0, 11, 12]))  # this step sampled, and step N+1 is in flight
+    c = _req("c", 96, ([5, 6, 30], [0, 0, 31]))  # this step was a prefill chunk, N+1 samples
+    a.num_output_placeholders, c.num_output_placeholders = 2, 1
+    step = (SimpleNamespace(scheduled_spec_decode_tokens={}),
+            SimpleNamespace(req_id_to_index={"a": 0, "c": 1}, sampled_token_ids=[[42], []]))
+    sched, _ = _scheduler_stub([32, 32], [a, c])
+    assert sched._handle_invalid_blocks({6}, {"a": 32, "c": 32}, step_output=step) == {"a", "c"}
+    assert (a.async_tokens_to_discard, c.async_tokens_to_discard) == (1, 1)
+    assert a.num_output_placeholders == c.num_output_placeholders == 0
+    # without the step's outputs (or without async scheduling) every placeholder is a later frame
+    b = _req("b", 96, ([5, 6, 7], [0, 0, 9]))
+    b.num_output_placeholders = 1
+    sched, _ = _scheduler_stub([32, 32], [b])
+    assert sched._handle_invalid_blocks({6}, {"b": 32}) == {"b"} and b.async_tokens_to_discard == 1
+
+
 def test_unit_scheduler_fail_policy_and_async_loads():
     from vllm.v1.request import RequestStatus
 

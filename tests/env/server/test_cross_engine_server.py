@@ -22,6 +22,8 @@ per-process salt), Qwen3-Next with PYTHONHASHSEED=12345, and the `builtin` contr
   100-token prompt; Qwen3-Next: 96 too, where the second prefill step was cut on a chunk boundary
   and the GDN state was saved) and gives the first server's tokens, which were computed without any hit (the
   offline test compares with an engine without connector);
+- the hybrid reader's negative control: a Qwen3-Next reader whose restored states are zeroed hits
+  as much and gives other tokens;
 - the control: `builtin` on both sides misses (0 cached, the same tokens), or the test could not
   fail; its writer logged LMCache's PYTHONHASHSEED warning, the digest servers did not;
 - keys must differ where the KV differs (issue 27, the second half of point 3): a prompt only the
@@ -43,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sys
 import time
 
@@ -88,7 +91,11 @@ HASHSEED_WARNING = "Centralized cache sharing detected but PYTHONHASHSEED not se
 WRITERS = {"llama": ("llama", None, None), "qwen3next": ("qwen3next", None, None),
            "builtin": ("llama", None, "builtin")}
 READERS = {"llama": ("llama", None, None), "qwen3next": ("qwen3next", "12345", None),
-           "builtin": ("llama", "12345", "builtin")}
+           "builtin": ("llama", "12345", "builtin"), "qwen3next-zero": ("qwen3next", None, None)}
+# the negative control of the hybrid reader: every hybrid state it restores is zeroed
+# (tests/env/lmcache/fault_site/sitecustomize.py, KVSTACK_ZERO_RESTORED_STATE)
+ZERO_READERS = {"qwen3next-zero"}
+FAULT_SITE = ROOT / "tests" / "env" / "lmcache" / "fault_site"
 # what each writer sends: (name, prompt, cache_salt)
 WRITES = {"llama": [("P", P, None), ("P_SALT", P_SALT, SALT_A)],
           "qwen3next": [("P", P, None), ("P_MODEL", P_MODEL, None)],
@@ -118,7 +125,7 @@ def models(tmp_path_factory):
 
 
 def _server(name: str, model_dir, model: str, seed: str | None, algorithm: str | None,
-            redis_url: str) -> Server:
+            redis_url: str, zero_state: bool = False) -> Server:
     env = {"LMCACHE_CHUNK_SIZE": str(CHUNK), "LMCACHE_LOCAL_CPU": "False",
            "LMCACHE_MAX_LOCAL_CPU_SIZE": "0.5", "LMCACHE_REMOTE_URL": redis_url,
            "LMCACHE_REMOTE_SERDE": "naive", "LMCACHE_DISABLE_BANNER": "1"}
@@ -129,6 +136,10 @@ def _server(name: str, model_dir, model: str, seed: str | None, algorithm: str |
                 "LMCACHE_CONFIG_FILE"):
         if key not in env:  # the user's environment must not change what is tested
             s.env.pop(key, None)
+    if zero_state:
+        s.env["KVSTACK_ZERO_RESTORED_STATE"] = "1"
+        s.env["PYTHONPATH"] = os.pathsep.join(
+            [str(FAULT_SITE), str(ROOT)] + ([s.env["PYTHONPATH"]] if s.env.get("PYTHONPATH") else []))
     if seed is None:
         s.env.pop("PYTHONHASHSEED", None)  # BASE_ENV (and the Makefile) set it to 0
     else:
@@ -151,7 +162,8 @@ def _serving_all(servers: dict[str, Server]):
 
 
 def _phase(tag: str, spec: dict, models: dict, redis_url: str) -> dict[str, Server]:
-    return {key: _server(f"cross-engine-{tag}-{key}", models[model], model, seed, algo, redis_url)
+    return {key: _server(f"cross-engine-{tag}-{key}", models[model], model, seed, algo, redis_url,
+                         zero_state=key in ZERO_READERS)
             for key, (model, seed, algo) in spec.items() if model in models}
 
 
@@ -247,6 +259,19 @@ def test_second_server_reports_cached_tokens_and_gives_the_same_tokens(reader, w
     assert HASHSEED_WARNING not in log
     if model == "qwen3next":
         assert "restored hybrid state at 96" in log
+
+
+@pytest.mark.parametrize("reader", ["qwen3next-zero"], indirect=True)
+def test_negative_control_zeroed_hybrid_state_changes_the_tokens(reader, written):
+    """The hybrid reader's check can fail: a third Qwen3-Next server (PYTHONHASHSEED unset) whose
+    restored GDN states are zeroed hits the same 96 tokens and restores its state there, and gives
+    other tokens than the writer's (the long-memory model's output depends on its state). It reads
+    P_MODEL, which no other reader asks for, so what it stores cannot reach the other checks."""
+    tokens, cached = complete(reader, P_MODEL)
+    assert cached == HITS["qwen3next"]
+    log = reader.log.read_text(errors="replace")
+    assert "restored hybrid state at 96" in log and "zeroed pid=" in log
+    assert tokens != written["qwen3next"]["P_MODEL"][0], "a zeroed state must change the tokens"
 
 
 def test_stock_builtin_hash_misses_across_servers(reader_builtin, written):

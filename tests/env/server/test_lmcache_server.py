@@ -8,11 +8,21 @@ backends, one server each (the commands of docs/hybrid-lmcache-usage.md, test_re
 LMCache hits are visible on /metrics through vLLM's own counters: the scheduler records every
 connector's ``get_num_new_matched_tokens`` result as ``vllm:external_prefix_cache_hits`` (tokens)
 out of ``vllm:external_prefix_cache_queries``; no LMCache-specific metric is needed for that.
+
+The random tiny Qwen3-Next forgets its recurrent state within a token: a wrong restored state would
+not change its tokens. The state's exactness is checked on two more local-cpu servers of the same
+model with a long-memory GDN state (kvstack.testbed.long_memory), 32-token steps like the offline
+reference (one chunk per step: bf16 near-ties of that model could flip a token across different
+step partitions): ``long`` (its repeat restores the state at 96 with the reference's tokens) and,
+the negative control, ``long-zero`` (every restored state zeroed by
+tests/env/lmcache/fault_site/sitecustomize.py, KVSTACK_ZERO_RESTORED_STATE: its repeat hits as much
+and gives other tokens).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -32,6 +42,7 @@ from vllm_server import (
 pytestmark = [pytest.mark.env, pytest.mark.slow]
 
 MODEL = "build/tiny-models/qwen3next"
+LONG_MODEL = "build/tiny-models/qwen3next-long-memory"
 MAX_LEN = 512
 KV_TRANSFER = {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}
 SERVE = [MODEL, "--host", "127.0.0.1", "--port", "8000",
@@ -48,6 +59,12 @@ ENV = {
                "LMCACHE_REMOTE_SERDE": "naive"},
 }
 LMCACHE_SERVER = ["lmcache_server", "127.0.0.1", LMCACHE_PORT]
+# the long-memory servers: same arguments, the long-memory model, one 32-token chunk per step
+LONG_SERVE = [LONG_MODEL if a == MODEL else "32" if i and SERVE[i - 1] == "--max-num-batched-tokens"
+              else a for i, a in enumerate(SERVE)]
+ENV["long"] = ENV["local-cpu"]
+ENV["long-zero"] = {**ENV["local-cpu"], "KVSTACK_ZERO_RESTORED_STATE": "1"}
+FAULT_SITE = ROOT / "tests" / "env" / "lmcache" / "fault_site"
 # 200 random prompts of 210-390 tokens, 4 at a time.
 BENCH = ["--host", "127.0.0.1", "--port", "8000", "--model", MODEL,
          "--dataset-name", "random", "--random-input-len", "300", "--random-range-ratio", "0.3",
@@ -70,6 +87,7 @@ AFTER_400 = {"after400": prompt(120, 30)}
 # A fresh prompt per backend: its first request is a miss, its repeat an LMCache hit.
 REPEAT = {"repeat-local-cpu": prompt(100, 40), "repeat-remote": prompt(100, 41)}
 PROMPTS = {**GREEDY, **MIXED, **AFTER_400, **REPEAT}
+LONG_PROMPTS = {"repeat-long": prompt(100, 42), "repeat-long-zero": prompt(100, 43)}
 
 
 @pytest.fixture(scope="module")
@@ -82,6 +100,30 @@ def reference():
                      max_tokens=MAX_TOKENS, max_model_len=MAX_LEN, max_num_batched_tokens=64)
     yield run
     run.stop()
+
+
+@pytest.fixture(scope="module")
+def long_reference():
+    """The same for the long-memory model, 32-token steps."""
+    from kvstack.testbed.long_memory import long_memory_qwen3next
+    from kvstack.testbed.tiny_models import make_model
+
+    long_memory_qwen3next(make_model("qwen3next", ROOT / MODEL), ROOT / LONG_MODEL)
+    run = OfflineRun("qwen3next-long-offline", "qwen3next", LONG_MODEL, list(LONG_PROMPTS.values()),
+                     max_tokens=MAX_TOKENS, max_model_len=MAX_LEN, max_num_batched_tokens=CHUNK)
+    yield dict(zip(LONG_PROMPTS, run.result()))
+    run.stop()
+
+
+@pytest.fixture(scope="module")
+def long_server(request, long_reference):
+    s = Server(f"qwen3next-lmcache-{request.param}", LONG_SERVE, ENV[request.param])
+    if request.param == "long-zero":
+        s.env["PYTHONPATH"] = os.pathsep.join(
+            [str(FAULT_SITE), str(ROOT)] + ([s.env["PYTHONPATH"]] if s.env.get("PYTHONPATH") else []))
+    with serving(s):
+        s.backend = request.param
+        yield s
 
 
 BOTH = pytest.mark.parametrize("server", ["local-cpu", "remote"], indirect=True)
@@ -134,6 +176,42 @@ def test_repeat_is_an_lmcache_hit_on_metrics_with_the_same_tokens(server, expect
     assert after["vllm:external_prefix_cache_queries_total"] - before[
         "vllm:external_prefix_cache_queries_total"] == 2 * len(p)
     assert "restored hybrid state at 96" in server.log.read_text()
+
+
+def _repeat(server, p):
+    """(first tokens, repeat tokens, LMCache hit tokens of the two)."""
+    client = server.client()
+    before = server.metrics()
+    first = server.complete(p, MAX_TOKENS, client)
+    time.sleep(1.0)  # LMCache stores asynchronously
+    again = server.complete(p, MAX_TOKENS, client)
+    after = server.wait_metrics(lambda m: m["vllm:external_prefix_cache_hits_total"]
+                                > before["vllm:external_prefix_cache_hits_total"])
+    return first, again, after["vllm:external_prefix_cache_hits_total"] - before[
+        "vllm:external_prefix_cache_hits_total"]
+
+
+@pytest.mark.parametrize("long_server", ["long"], indirect=True)
+def test_long_memory_repeat_restores_the_state_exactly(long_server, long_reference):
+    """The model whose tokens depend on its state: the repeat restores the state at 96 and gives
+    the offline reference's tokens."""
+    first, again, hit = _repeat(long_server, LONG_PROMPTS["repeat-long"])
+    assert first == again == long_reference["repeat-long"]
+    assert hit == 96
+    assert "restored hybrid state at 96" in long_server.log.read_text()
+
+
+@pytest.mark.parametrize("long_server", ["long-zero"], indirect=True)
+def test_negative_control_zeroed_state_changes_the_repeat(long_server, long_reference):
+    """The check above can fail: with every restored state zeroed the repeat still hits 96 tokens
+    and restores its state there, and its tokens differ from the reference (the first request,
+    which restores nothing, equals it)."""
+    first, again, hit = _repeat(long_server, LONG_PROMPTS["repeat-long-zero"])
+    assert first == long_reference["repeat-long-zero"]
+    assert hit == 96
+    log = long_server.log.read_text()
+    assert "restored hybrid state at 96" in log and "zeroed pid=" in log
+    assert again != long_reference["repeat-long-zero"], "a zeroed state must change the tokens"
 
 
 @BOTH

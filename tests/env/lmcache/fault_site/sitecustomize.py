@@ -11,6 +11,12 @@ The flag file holds "drop", "raise" or "corrupt"; the next retrieve (drop, raise
 - corrupt: the next hybrid state read from the storage comes back 64 bytes short (a damaged object,
   as a backend could return it; the stored object itself is left intact).
 Each fault is appended to $KVSTACK_FAULT_LOG as one line.
+
+With $KVSTACK_ZERO_RESTORED_STATE=1 (a negative control for server tests, where engine_run.py's
+--zero-restored-state cannot reach): every hybrid state LMCache's vLLM adapter restores is zeroed
+before it is put into the request's state blocks, and a line "zeroed pid=..." goes to stderr. Set
+to a file's path instead, states are zeroed only while that file exists (one server, control on
+and off).
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ FLAG = os.environ.get("KVSTACK_FAULT_FLAG")
 LOG = os.environ.get("KVSTACK_FAULT_LOG")
 TARGET = "lmcache.v1.cache_engine"
 STATE_TARGET = "lmcache.integration.vllm.hybrid_state"
+ADAPTER_TARGET = "lmcache.integration.vllm.vllm_v1_adapter"
+ZERO = os.environ.get("KVSTACK_ZERO_RESTORED_STATE", "")
 
 
 def _log(line: str) -> None:
@@ -91,6 +99,21 @@ def _patch_state(module) -> None:
     module.decode_state = damaged_decode
 
 
+def _patch_adapter(module) -> None:
+    scatter = module.scatter_states
+    if getattr(scatter, "_kvstack_fault", False):
+        return
+
+    def scatter_zeros(caches, layout, blocks, states):
+        if ZERO != "1" and not os.path.exists(ZERO):
+            return scatter(caches, layout, blocks, states)
+        print(f"zeroed pid={os.getpid()}: a restored hybrid state", file=sys.stderr, flush=True)
+        return scatter(caches, layout, blocks, {k: [t * 0 for t in v] for k, v in states.items()})
+
+    scatter_zeros._kvstack_fault = True
+    module.scatter_states = scatter_zeros
+
+
 class _Hook(importlib.abc.MetaPathFinder):
     """Patches `target` once it is imported (whoever imports it first)."""
 
@@ -119,3 +142,5 @@ class _Hook(importlib.abc.MetaPathFinder):
 if FLAG:
     sys.meta_path.insert(0, _Hook(TARGET, _patch))
     sys.meta_path.insert(0, _Hook(STATE_TARGET, _patch_state))
+if ZERO:
+    sys.meta_path.insert(0, _Hook(ADAPTER_TARGET, _patch_adapter))
