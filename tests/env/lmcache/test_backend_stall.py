@@ -34,7 +34,9 @@ from kvtest import on_default_base  # noqa: E402
 from test_hybrid_short_load import PREFIX, qwen_model, run  # noqa: E402,F401
 
 STALLED = [PREFIX + [k + 20, k + 21, k + 22] * 10 for k in range(20)]  # each would hit 768
-AFTER = PREFIX + [700, 701] * 15
+# after the stall: restores the state at 768 and computes 32 tokens past it, where the state still
+# decides the tokens (test_hybrid_short_load.py's zeroed-state control uses the same shape)
+AFTER = PREFIX[:780] + [700, 701] * 10
 PROMPTS = [PREFIX, *STALLED, AFTER]
 STALL_S = 10.0
 WAITED = ("LMCache lookup got no answer", "did not answer")  # lookup client, remote backend

@@ -61,6 +61,11 @@ def test_second_engine_hits_with_pythonhashseed_unset_or_different(model, redis,
         assert b["hits"][0] >= 64, (seed, b["hits"], b["warnings"][-5:])
         assert b["tokens"] == [base], seed
         assert not [w for w in b["warnings"] if "PYTHONHASHSEED" in w], b["warnings"]
+    if model == "qwen3next":  # negative control: the restored state zeroed changes the tokens
+        z = run_engine(model_dir, model, [PROMPT_A], tmp_path / "b-zero", lmcache=True, wipe=True,
+                       env=_remote(redis, **unset), extra_args=("--zero-restored-state",))
+        assert z["restored"] == b["restored"] and z["restored"][0] > 0, (z["restored"], b["restored"])
+        assert z["tokens"] != [base], "a zeroed state must change the tokens"
 
 
 def test_stock_builtin_hash_misses_across_processes(redis, tiny, tmp_path):

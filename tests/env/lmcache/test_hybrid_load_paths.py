@@ -1,5 +1,6 @@
 """LMCache's load and save paths that bypass a hybrid model's recurrent state are refused at start-up
-(LMCache patch "hybrid models: refuse the load paths that bypass the state", issue 29 point 2).
+(LMCache patch "hybrid models: refuse the load paths that bypass the state", issue 29 point 2), and
+so is a capped load (`lmcache.max_tokens_per_load`).
 
 A hybrid request's state is looked up with its K/V, restored on the synchronous whole-request load and
 saved with its chunks; asynchronous loading, layerwise loading/saving and blending would move K/V
@@ -33,7 +34,8 @@ apply_engine_env()
 from vllm import LLM
 from vllm.config import KVTransferConfig
 llm = LLM(**llm_kwargs({name!r}, {model_dir!r}, enable_prefix_caching=False,
-          kv_transfer_config=KVTransferConfig(kv_connector="LMCacheConnectorV1", kv_role="kv_both")))
+          kv_transfer_config=KVTransferConfig(kv_connector="LMCacheConnectorV1", kv_role="kv_both",
+                                              kv_connector_extra_config={extra!r})))
 print("@@STARTED", flush=True)
 os._exit(0)
 """
@@ -47,8 +49,8 @@ def models(tmp_path_factory):
     return lambda name: make_model(name, root / name)
 
 
-def start(models, name: str, **env: str) -> subprocess.CompletedProcess:
-    code = START.format(repo=str(REPO), name=name, model_dir=str(models(name)))
+def start(models, name: str, extra: dict | None = None, **env: str) -> subprocess.CompletedProcess:
+    code = START.format(repo=str(REPO), name=name, model_dir=str(models(name)), extra=extra or {})
     full = {**os.environ, "LMCACHE_CHUNK_SIZE": "32", "LMCACHE_LOCAL_CPU": "True",
             "LMCACHE_MAX_LOCAL_CPU_SIZE": "0.5", "LMCACHE_DISABLE_BANNER": "1", **env}
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -64,6 +66,16 @@ def test_hybrid_model_refuses_a_path_that_bypasses_the_state(models, setting):
     name = setting.removeprefix("LMCACHE_").lower()
     assert f"hybrid (Mamba/GDN) model does not support {name}" in out, out[-3000:]
     assert f"{setting}=False" in out, out[-3000:]
+
+
+def test_hybrid_model_refuses_a_capped_load(models):
+    """lmcache.max_tokens_per_load (chunked loads) cuts a load where no state was saved: refused."""
+    res = start(models, "qwen3next", extra={"lmcache.max_tokens_per_load": 512})
+    out = res.stdout + res.stderr
+    assert "@@STARTED" not in out, out[-3000:]
+    assert "hybrid (Mamba/GDN) model does not support lmcache.max_tokens_per_load (512)" in out, out[-3000:]
+    res = start(models, "llama", extra={"lmcache.max_tokens_per_load": 512})  # dense: LMCache's own
+    assert "@@STARTED" in res.stdout, (res.stdout + res.stderr)[-3000:]
 
 
 def test_without_it_the_hybrid_model_starts_and_a_dense_one_with_it(models):

@@ -45,6 +45,7 @@ PREFIX = [(i * 37) % 900 + 3 for i in range(1000)]  # chunks 0-256, 256-512, 512
 EXT = PREFIX + [5, 6, 7, 8] * 25  # extends it by 100 tokens: LMCache hit 768 (state at 768)
 EXT2 = PREFIX + [9, 10, 11] * 30  # another extension, for the raising retrieve
 OTHER = [(i * 11) % 700 + 40 for i in range(300)]
+NEAR = PREFIX[:780] + [13, 14, 15, 16] * 5  # 32 tokens past the state at 768: the state matters
 # the vLLM patch under test, and what stock vLLM says when a short load stops its engine core
 VLLM_PATCH, STOCK_DEATH = (
     ("0009-kvstack-scheduler-block-level-KV-load-failures-on-mo.patch",
@@ -123,9 +124,24 @@ def hits(text: str) -> list[int]:
 
 @pytest.fixture(scope="module")
 def baseline(qwen_model, tmp_path_factory):
-    out = run(qwen_model, [PREFIX, EXT, OTHER, EXT2], tmp_path_factory.mktemp("base"), lmcache=False)
+    out = run(qwen_model, [PREFIX, EXT, OTHER, EXT2, NEAR], tmp_path_factory.mktemp("base"),
+              lmcache=False)
     assert out["error"] is None
-    return dict(zip(["PREFIX", "EXT", "OTHER", "EXT2"], out["tokens"]))
+    return dict(zip(["PREFIX", "EXT", "OTHER", "EXT2", "NEAR"], out["tokens"]))
+
+
+def test_restore_is_exact_and_a_zeroed_state_changes_the_tokens(qwen_model, baseline, tmp_path):
+    """The restores this module (and test_backend_stall.py, same model and prefix) call exact can
+    fail: NEAR restores the state at 768 and computes 32 tokens past it; with the restored state
+    zeroed (fault_site's KVSTACK_ZERO_RESTORED_STATE, in the engine core process) its tokens change."""
+    ok = run(qwen_model, [PREFIX, NEAR], tmp_path / "ok")
+    assert ok["error"] is None and ok["tokens"] == [baseline["PREFIX"], baseline["NEAR"]]
+    assert 768 in hits(prompt_log(ok["log"], 1))
+    zero = run(qwen_model, [PREFIX, NEAR], tmp_path / "zero", env={"KVSTACK_ZERO_RESTORED_STATE": "1"})
+    assert zero["error"] is None and "zeroed pid=" in prompt_log(zero["log"], 1)
+    assert 768 in hits(prompt_log(zero["log"], 1))
+    assert zero["tokens"][0] == baseline["PREFIX"]
+    assert zero["tokens"][1] != baseline["NEAR"], "a zeroed state must change the tokens"
 
 
 def test_short_and_failed_loads_recompute_and_the_engine_serves_on(qwen_model, baseline, tmp_path):

@@ -5,8 +5,8 @@ restored GDN state), LMCache's local CPU backend, 32-token chunks and steps, ``-
 
 Each rank has its own LMCache engine: it stores the K/V chunks of its own KV heads and the state of
 its own GDN heads under keys that name its rank (the hybrid state key is the chunk key's, so rank
-and world size are in it), and its lookup answers only a prefix for which it holds both; the
-scheduler's lookup client takes the hit every rank can serve. The checks:
+and world size are in it). The lookup (and its early fetch of the state) runs on one worker; the
+other rank fetches its state at load time (docs/hybrid-lmcache.md). The checks:
 
 - a repeat of a 100-token prompt hits 96 tokens, both ranks restore their state at 96, and the
   repeat's tokens equal the first request's (computed without any hit, the same TP 2 engine and
