@@ -3,7 +3,7 @@
     python engine_run.py --model qwen3next --model-dir DIR [--lmcache] [--wipe] --prompts P.json
                          [--max-tokens N] [--max-num-batched-tokens N] [--max-model-len N] [--align]
                          [--prefix-caching]
-                         [--zero-restored-state] [--kill-pgid PGID [--kill-before N]]
+                         [--zero-restored-state] [--kill-pgid PGID [--kill-before N]] [--batch]
                          [--with-streaming REGEX [--page-tokens N] [--zero-restored-kv-from N]]
 
 Used by the tests (one engine per process, as a user would run it; tests/env/server takes its
@@ -86,6 +86,9 @@ def main(argv=None) -> int:
     ap.add_argument("--page-tokens", type=int, default=32, help="the StreamingConnector's page")
     ap.add_argument("--lmcache-extra", default=None, metavar="JSON",
                     help="kv_connector_extra_config of LMCacheConnectorV1 (a JSON object)")
+    ap.add_argument("--batch", action="store_true",
+                    help="all prompts in one generate call (a concurrent batch); hits, restored and "
+                         "local then hold one entry, for the whole batch, and saved every position")
     ap.add_argument("--zero-restored-kv-from", type=int, default=None, metavar="N",
                     help="negative control: from prompt N on, zero the K/V LMCache restores")
     args = ap.parse_args(argv)
@@ -165,6 +168,17 @@ def main(argv=None) -> int:
     prompts = json.loads(Path(args.prompts).read_text())
     sp = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     tokens, hits, restored, cached, local, saved = [], [], [], [], [], []
+    if args.batch:  # one generate call: the requests run as a concurrent batch
+        start = len(tap.lines)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+        tokens = [list(o.outputs[0].token_ids) for o in outs]
+        cached = [int(o.num_cached_tokens or 0) for o in outs]
+        new = tap.lines[start:]
+        hits = [sum(int(m.group(1)) for line in new
+                    for m in [re.search(r"LMCache hit tokens: (\d+)", line)] if m)]
+        saved = [[int(m.group(1)) for line in new
+                  for m in [re.search(r"saved hybrid state at (\d+)", line)] if m]]
+        prompts = []  # done
     for n, p in enumerate(prompts):
         zero_kv[0] = args.zero_restored_kv_from is not None and n >= args.zero_restored_kv_from
         if args.kill_pgid is not None and n == args.kill_before:

@@ -8,9 +8,18 @@ and exits; engine B, a new process with no local tier, restores K/V + state from
 tokens of a run without any connector; engine C loses the server mid-run (the server's process
 group is killed between its two prompts) and must recompute with the same tokens and a warning.
 Negative control (redis): B's run with the restored states zeroed must give other tokens.
+
+A concurrent batch (issue 29): engine A prefills three 96-token prompts as one batch (one
+generate call, one step for all three), saving each request's state at 96 from the batch's step;
+engine B, a new process sharing only the backend (local disk; redis), serves each prompt extended
+by 8 tokens from 96 restored tokens with the tokens of the same prompt run alone (an engine with
+LMCache and a fresh backend: the same step partition, 0 -> 96 -> 104, so equal tokens mean an
+exact restore); with the restored states zeroed the tokens change.
 """
 
 from __future__ import annotations
+
+import shutil
 
 import pytest
 
@@ -18,8 +27,12 @@ pytest.importorskip("vllm")
 pytest.importorskip("lmcache")
 
 from kvstack.testbed.backend_servers import start_or_skip as _start, stop as _stop  # noqa: E402
-from test_e2e_cpu import (PROMPT_A, PROMPT_EXT, QWEN_STEPS, qwen_baseline, qwen_model,  # noqa: E402,F401
-                          run_engine, tiny)
+from test_e2e_cpu import (PROMPT_A, PROMPT_EXT, QWEN_STEPS, _disk_env, qwen_baseline,  # noqa: E402,F401
+                          qwen_model, run_engine, tiny)
+
+BATCH = [[(i * 37 + k * 101) % 900 + 3 for i in range(96)] for k in range(3)]  # three chunks each
+BATCH_EXT = [p + [5 + k, 6, 7, 8] * 2 for k, p in enumerate(BATCH)]  # 8 tokens past the state at 96
+BATCH_STEPS = ("--max-num-batched-tokens", "512")  # the three prefills in one step
 
 
 @pytest.mark.parametrize("backend", ["lmcache_server", "redis"])
@@ -60,3 +73,45 @@ def test_second_engine_process_restores_kv_and_state_from_the_backend(backend, q
         assert c["warnings"], "expected a warning about the lost LMCache backend"
     finally:
         _stop(server)
+
+
+@pytest.fixture(scope="module")
+def batch_reference(qwen_model, tmp_path_factory):
+    """Each extended prompt alone in an engine with LMCache and an empty backend (no hit): its
+    prefill runs 0 -> 96 (the checkpoint cut) -> 104, as a restore from 96 does."""
+    tmp = tmp_path_factory.mktemp("batch-reference")
+    out = run_engine(qwen_model, "qwen3next", BATCH_EXT, tmp, lmcache=True,
+                     env={"LMCACHE_LOCAL_CPU": "True", "LMCACHE_MAX_LOCAL_CPU_SIZE": "0.5"},
+                     extra_args=BATCH_STEPS)
+    assert out["hits"] == [0, 0, 0], out["hits"]
+    return out["tokens"]
+
+
+@pytest.mark.parametrize("backend", ["disk", "redis"])
+def test_new_process_restores_states_a_concurrent_batch_saved(backend, qwen_model, tmp_path,
+                                                              batch_reference):
+    server = None
+    if backend == "redis":
+        server, url = _start("redis", tmp_path)
+        env = {"LMCACHE_LOCAL_CPU": "False", "LMCACHE_MAX_LOCAL_CPU_SIZE": "0.5",
+               "LMCACHE_REMOTE_URL": url, "LMCACHE_REMOTE_SERDE": "naive"}
+    else:
+        env = _disk_env(tmp_path / "disk")
+    try:
+        a = run_engine(qwen_model, "qwen3next", BATCH, tmp_path / "a", lmcache=True, env=env,
+                       extra_args=(*BATCH_STEPS, "--batch"))
+        assert sorted(a["saved"][0]) == [96, 96, 96], a["saved"]  # one state per request, at 96
+        if backend == "disk":
+            shutil.copytree(tmp_path / "disk", tmp_path / "disk-zero")
+        b = run_engine(qwen_model, "qwen3next", BATCH_EXT, tmp_path / "b", lmcache=True, env=env,
+                       extra_args=BATCH_STEPS)
+        assert b["hits"] == [96, 96, 96] and b["restored"] == [96, 96, 96], (b["hits"], b["restored"])
+        assert b["tokens"] == batch_reference
+        zero_env = _disk_env(tmp_path / "disk-zero") if backend == "disk" else env
+        z = run_engine(qwen_model, "qwen3next", BATCH_EXT, tmp_path / "z", lmcache=True, env=zero_env,
+                       extra_args=(*BATCH_STEPS, "--zero-restored-state"))
+        assert z["restored"] == [96, 96, 96], z["restored"]
+        assert z["tokens"] != batch_reference, "a zeroed state must change the tokens"
+    finally:
+        if server is not None:
+            _stop(server)
