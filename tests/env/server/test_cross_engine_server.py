@@ -45,14 +45,13 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import sys
 import time
 
 import pytest
 
 from kvtest import on_default_base
-from vllm_server import ROOT, Server
+from vllm_server import ROOT, Server, with_fault_site
 
 pytest.importorskip("vllm")
 pytest.importorskip("lmcache")
@@ -95,7 +94,6 @@ READERS = {"llama": ("llama", None, None), "qwen3next": ("qwen3next", "12345", N
 # the negative control of the hybrid reader: every hybrid state it restores is zeroed
 # (tests/env/lmcache/fault_site/sitecustomize.py, KVSTACK_ZERO_RESTORED_STATE)
 ZERO_READERS = {"qwen3next-zero"}
-FAULT_SITE = ROOT / "tests" / "env" / "lmcache" / "fault_site"
 # what each writer sends: (name, prompt, cache_salt)
 WRITES = {"llama": [("P", P, None), ("P_SALT", P_SALT, SALT_A)],
           "qwen3next": [("P", P, None), ("P_MODEL", P_MODEL, None)],
@@ -137,9 +135,7 @@ def _server(name: str, model_dir, model: str, seed: str | None, algorithm: str |
         if key not in env:  # the user's environment must not change what is tested
             s.env.pop(key, None)
     if zero_state:
-        s.env["KVSTACK_ZERO_RESTORED_STATE"] = "1"
-        s.env["PYTHONPATH"] = os.pathsep.join(
-            [str(FAULT_SITE), str(ROOT)] + ([s.env["PYTHONPATH"]] if s.env.get("PYTHONPATH") else []))
+        with_fault_site(s)
     if seed is None:
         s.env.pop("PYTHONHASHSEED", None)  # BASE_ENV (and the Makefile) set it to 0
     else:

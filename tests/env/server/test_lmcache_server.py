@@ -22,7 +22,6 @@ and gives other tokens).
 from __future__ import annotations
 
 import json
-import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -37,6 +36,7 @@ from vllm_server import (
     free_port,
     lmcache_server,
     serving,
+    with_fault_site,
 )
 
 pytestmark = [pytest.mark.env, pytest.mark.slow]
@@ -63,8 +63,7 @@ LMCACHE_SERVER = ["lmcache_server", "127.0.0.1", LMCACHE_PORT]
 LONG_SERVE = [LONG_MODEL if a == MODEL else "32" if i and SERVE[i - 1] == "--max-num-batched-tokens"
               else a for i, a in enumerate(SERVE)]
 ENV["long"] = ENV["local-cpu"]
-ENV["long-zero"] = {**ENV["local-cpu"], "KVSTACK_ZERO_RESTORED_STATE": "1"}
-FAULT_SITE = ROOT / "tests" / "env" / "lmcache" / "fault_site"
+ENV["long-zero"] = ENV["local-cpu"]
 # 200 random prompts of 210-390 tokens, 4 at a time.
 BENCH = ["--host", "127.0.0.1", "--port", "8000", "--model", MODEL,
          "--dataset-name", "random", "--random-input-len", "300", "--random-range-ratio", "0.3",
@@ -119,8 +118,7 @@ def long_reference():
 def long_server(request, long_reference):
     s = Server(f"qwen3next-lmcache-{request.param}", LONG_SERVE, ENV[request.param])
     if request.param == "long-zero":
-        s.env["PYTHONPATH"] = os.pathsep.join(
-            [str(FAULT_SITE), str(ROOT)] + ([s.env["PYTHONPATH"]] if s.env.get("PYTHONPATH") else []))
+        with_fault_site(s)
     with serving(s):
         s.backend = request.param
         yield s

@@ -21,14 +21,13 @@ The default base only (CI time); serial: the two ranks bind one core each.
 
 from __future__ import annotations
 
-import os
 import time
 
 import pytest
 
 import test_lmcache_server as lm
 from kvtest import on_default_base
-from vllm_server import ROOT, Server, serving
+from vllm_server import ROOT, Server, serving, with_fault_site
 
 pytestmark = [pytest.mark.env, pytest.mark.slow, pytest.mark.serial,
               pytest.mark.skipif(not on_default_base(), reason="runs on the default base only "
@@ -47,11 +46,8 @@ def server(tmp_path_factory):
 
     long_memory_qwen3next(make_model("qwen3next", ROOT / lm.MODEL), ROOT / lm.LONG_MODEL)
     flag = tmp_path_factory.mktemp("zero") / "zero.flag"
-    s = Server("qwen3next-lmcache-tp2", SERVE,
-               {**lm.ENV["long"], "VLLM_CPU_OMP_THREADS_BIND": "0|1",
-                "KVSTACK_ZERO_RESTORED_STATE": str(flag)})
-    s.env["PYTHONPATH"] = os.pathsep.join(
-        [str(lm.FAULT_SITE), str(ROOT)] + ([s.env["PYTHONPATH"]] if s.env.get("PYTHONPATH") else []))
+    s = with_fault_site(Server("qwen3next-lmcache-tp2", SERVE,
+                               {**lm.ENV["long"], "VLLM_CPU_OMP_THREADS_BIND": "0|1"}), str(flag))
     with serving(s, timeout_s=420) as srv:
         srv.zero_flag = flag
         yield srv

@@ -31,6 +31,16 @@ ROOT = Path(__file__).resolve().parents[3]
 BIN = Path(sys.executable).parent  # the venv the tests run in: its `vllm`, `lmcache_server`
 LOG_DIR = ROOT / "build" / "server-tests"
 ENGINE_RUN = ROOT / "tests" / "env" / "lmcache" / "engine_run.py"
+FAULT_SITE = ROOT / "tests" / "env" / "lmcache" / "fault_site"
+
+
+def with_fault_site(server: "Server", zero_restored_state: str = "1") -> "Server":
+    """Put tests/env/lmcache/fault_site on the server's PYTHONPATH with its zeroing hook armed
+    (KVSTACK_ZERO_RESTORED_STATE: "1", or a flag file's path: zeroed while the file exists)."""
+    server.env["KVSTACK_ZERO_RESTORED_STATE"] = zero_restored_state
+    server.env["PYTHONPATH"] = os.pathsep.join(
+        [str(FAULT_SITE), str(ROOT)] + ([server.env["PYTHONPATH"]] if server.env.get("PYTHONPATH") else []))
+    return server
 
 # The ports the documented commands use; the tests substitute free ones.
 PORT = "8000"
