@@ -4,11 +4,14 @@ Headline: route 3 vs recompute, i.e. a repeat served by a NEW engine process who
 shared LMCache backend (an lmcache_server on 127.0.0.1) holding both the K/V and the hybrid
 (Mamba/GDN) state, compared with computing the prompt again.
 
-    .venv/bin/python bench/hybrid_repeat.py                     # defaults: 343 MiB model, 4096 tokens
-    .venv/bin/python bench/hybrid_repeat.py --prompt-tokens 512 --hidden 128 --layers 4   # small
+    .venv/bin/python bench/hybrid_repeat.py                     # defaults: 343 MiB model, 4128 tokens
+    .venv/bin/python bench/hybrid_repeat.py --prompt-tokens 544 --hidden 128 --layers 4 --step 256   # small
 
 Builds a random-weight Qwen3NextForCausalLM (3 gated delta-net layers per full-attention layer)
-under build/bench-models/, then measures, each figure in its own engine process(es), all in one run:
+under build/bench-models/ and gives it a long-memory recurrent state (kvstack.testbed.long_memory: the
+random one forgets its state within a token, so a wrong restored state would give the same tokens;
+the prompt ends a few tokens past the last step boundary, so the restored state decides them),
+then measures, each figure in its own engine process(es), all in one run:
 
  1. recompute       no KV connector, no prefix cache: the repeat is computed again (the baseline).
  2. vllm-cache      vLLM's own hybrid prefix caching (enable_prefix_caching, mamba_cache_mode="align"),
@@ -16,7 +19,10 @@ under build/bench-models/, then measures, each figure in its own engine process(
  3. lmcache-inproc  in-process LMCacheConnectorV1 (kvstack's patched adapter) with an `lmcache_server`
                     on 127.0.0.1 as the only store: engine A computes the prompt, stores its K/V and
                     hybrid state in the server and exits; a NEW engine process B, sharing nothing with A
-                    but the server (no local CPU tier, no files), serves the repeat from it.
+                    but the server (no local CPU tier, no files), serves the repeat from it. The
+                    negative control: B then serves it once more with the restored states zeroed;
+                    that must hit as much and change the tokens ("control held"), or the "equal"
+                    above could not have failed.
  4. lmcache-mp      LMCache's multi-process route: `python -m lmcache.v1.multiprocess.server` on
                     127.0.0.1 + LMCacheMPConnector (align mode): engine A, then a NEW engine B.
  5. lmcache+vllm    one engine with LMCacheConnectorV1 AND vLLM's prefix cache (align), repeat TTFT
@@ -28,8 +34,8 @@ and 4 time the new process's first repeat (the one served from the shared backen
 recompute run's ("equal"/"DIFFER" per route). A route that cannot run prints "n/a (<why>)".
 The last line, `RESULT ...`, carries every figure: seconds of the recompute repeat, then each
 route's repeat TTFT as a speed-up ratio over recompute (x), 5 also over 2. The line before it,
-`HEADLINE ...`, states route 3 against recompute.
-Exit status: 0, or 2 when a route that ran produced different tokens.
+`HEADLINE ...`, states route 3 against recompute, with its control.
+Exit status: 0, or 2 when a route that ran produced different tokens or route 3's control failed.
 """
 
 from __future__ import annotations
@@ -54,6 +60,15 @@ REPEATS = 3  # timed repeats in the same engine (routes 1, 2, 5): the median is 
 
 
 def build_model(dest: Path, hidden: int, layers: int) -> Path:
+    """The bench's model in `dest`: the random-weight one (made in dest-random) with a long-memory
+    recurrent state."""
+    from kvstack.testbed.long_memory import long_memory_copy
+
+    random = _build_random_model(dest.with_name(dest.name + "-random"), hidden, layers)
+    return long_memory_copy("qwen3next", random, dest)
+
+
+def _build_random_model(dest: Path, hidden: int, layers: int) -> Path:
     from kvstack.testbed import tiny_models as tm
 
     base = tm.MODELS["qwen3next"]
@@ -155,6 +170,11 @@ def _measure(args, llm, SamplingParams) -> None:
     if role == "mp-b":
         llm.reset_prefix_cache()  # the token check must be served by LMCache too
     _, res["tokens"], res["check_cached"] = gen(prompt, check)
+    if role == "lmc-b":  # the negative control: the same repeat with the restored states zeroed
+        from kvstack.testbed.long_memory import zeroing_switch
+
+        zeroing_switch()[0] = True
+        _, res["zeroed_tokens"], res["zeroed_cached"] = gen(prompt, check)
     print(json.dumps(res), flush=True)
     if role in ("lmc-b", "lmc-apc"):
         time.sleep(1.0)
@@ -165,11 +185,19 @@ def _measure(args, llm, SamplingParams) -> None:
 # Driver
 # ------------------------------------------------------------------------------------------
 
+def control_held(r: dict) -> bool:
+    """Route 3's negative control: the zeroed-state repeat hit as much and gave other tokens."""
+    return r.get("zeroed_cached") == r["check_cached"] and r.get("zeroed_tokens") not in (None, r["tokens"])
+
+
 def main() -> int:
     from kvstack.testbed.backend_servers import free_port, running
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--prompt-tokens", type=int, default=4096, help="prompt length (default 4096)")
+    ap.add_argument("--prompt-tokens", type=int, default=4128,
+                    help="prompt length (default 4128: a repeat restores 4096 and computes the last 32 "
+                         "tokens; after a longer tail the long-memory state is forgotten again and "
+                         "route 3's control could not hold)")
     ap.add_argument("--hidden", type=int, default=768, help="model hidden size (default 768: 343 MiB)")
     ap.add_argument("--layers", type=int, default=16, help="layers, a multiple of 4 (default 16)")
     ap.add_argument("--chunk", type=int, default=256, help="LMCache chunk size of the in-process route")
@@ -308,9 +336,16 @@ def main() -> int:
             head = f"n/a ({r['na']})"
         else:
             same = r["tokens"] == ref and r["a_tokens"] == ref
+            held = control_held(r)
+            differ |= not held
+            print(f"lmcache-inproc control: the restored states zeroed, {r['zeroed_cached']} tokens "
+                  f"cached, tokens {'differ (held)' if held else 'EQUAL: FAILED, the equality could not fail'}",
+                  flush=True)
+            fields.append(f"lmcache_inproc_control={'held' if held else 'FAILED'}")
             head = (f"{r['repeat_s']:.3f} s vs recompute {base['repeat_s']:.3f} s = "
                     f"{base['repeat_s'] / r['repeat_s']:.2f}x, {r['cached']} tokens cached, "
-                    f"tokens {'equal' if same else 'DIFFER'}")
+                    f"tokens {'equal' if same else 'DIFFER'}, zeroed-state control "
+                    f"{'held' if held else 'FAILED'}")
         print("HEADLINE repeat served by a new engine process through a shared lmcache_server (route 3): "
               + head, flush=True)
     print("RESULT " + " ".join(fields), flush=True)

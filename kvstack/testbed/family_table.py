@@ -22,9 +22,13 @@ A cell's verdict (``verdict``):
   cell); the first run and the repeat gave stock's greedy tokens (the reference's); its repeat hit at least as many tokens as
   stock's (kvstack-only connectors: the hit is shown; StreamingConnector alone reuses its own
   layers' pages only, so the repeat's prompt is computed again for the other layers);
+  the Mamba-style hybrids (``long_memory``: tiny models whose tokens depend on their recurrent
+  state) run a third time in their LMCache cells with every restored state zeroed: that run must
+  restore as much as the repeat and give other tokens (the negative control), or the cell fails;
 - ``refused by upstream``: stock refused it and kvstack refuses too (for a kvstack-only connector:
   stock cannot run the model even without a connector);
-- ``kvstack only``: stock refused it, kvstack serves it with the tokens of stock's ``none``;
+- ``kvstack only``: stock refused it, kvstack serves it, its first run and its repeat with the
+  tokens of stock's ``none`` (a full prefill);
 - ``refused by design``: a kvstack-only connector refuses the configuration at start-up with its
   reason (stock cannot run it at all);
 - ``FAIL``: anything else, above all stock serves and kvstack refuses or differs, or kvstack fails
@@ -65,6 +69,9 @@ class Family:
     model: str  # a kvstack.testbed.tiny_models name
     streaming_layers: str  # the full-attention layer the streaming cells stream
     env: tuple[tuple[str, str], ...] = ()  # engine environment of every cell
+    # a Mamba-style hybrid: the tiny model gets a long-memory recurrent state
+    # (kvstack.testbed.long_memory), and its LMCache cells a zeroed-state control run
+    long_memory: bool = False
 
 
 FAMILIES = (
@@ -77,8 +84,8 @@ FAMILIES = (
     Family("chunked local + MoE (Llama-4)", "llama4", r"layers\.3\.",
            (("VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE", "1"),)),
     Family("MLA (DeepSeek-V2)", "deepseek_v2", r"layers\.1\."),
-    Family("GDN hybrid + MoE (Qwen3-Next)", "qwen3next", r"layers\.3\."),
-    Family("Mamba2 hybrid + MoE (Granite-4)", "granite4", r"layers\.3\."),
+    Family("GDN hybrid + MoE (Qwen3-Next)", "qwen3next", r"layers\.3\.", long_memory=True),
+    Family("Mamba2 hybrid + MoE (Granite-4)", "granite4", r"layers\.3\.", long_memory=True),
 )
 CONNECTORS = ("none", "lmcache", "streaming", "multi")
 STOCK_CONNECTORS = ("none", "lmcache")  # stock vLLM has no StreamingConnector
@@ -100,6 +107,25 @@ def cells(side: str, models: list[str] | None = None) -> list[tuple[str, str]]:
     """(model, connector) of every cell `side` runs."""
     conns = STOCK_CONNECTORS if side == "stock" else CONNECTORS
     return [(f.model, c) for f in FAMILIES if models is None or f.model in models for c in conns]
+
+
+def make_models(models: list[str], dest: Path) -> None:
+    """Each tiny model in dest/<model>; a long-memory family's is the long-memory copy of the
+    random one (made in dest/random/<model>): the random tiny hybrids forget their recurrent state
+    within a token, so a zeroed or wrong restored state would give the same tokens."""
+    from kvstack.testbed.long_memory import long_memory_copy
+    from kvstack.testbed.tiny_models import make_model
+
+    for model in models:
+        if family(model).long_memory:
+            long_memory_copy(model, make_model(model, dest / "random" / model), dest / model)
+        else:
+            make_model(model, dest / model)
+
+
+def needs_control(model: str, connector: str) -> bool:
+    """Whether the cell's repeat restores a recurrent state that the zeroed-state control checks."""
+    return family(model).long_memory and connector in ("lmcache", "multi")
 
 
 def build_stock_overlay(dest: Path) -> Path:
@@ -137,6 +163,7 @@ def _run_cell(model: str, connector: str, models_dir: Path) -> dict:
     from vllm.config import KVTransferConfig
 
     from kvstack.testbed.engine import shutdown_llm
+    from kvstack.testbed.long_memory import zeroing_switch
     from kvstack.testbed.tiny_models import llm_kwargs
 
     fam = family(model)
@@ -151,11 +178,18 @@ def _run_cell(model: str, connector: str, models_dir: Path) -> dict:
         exc.kvstack_phase = "start-up"
         raise
     sp = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    # the control runs on kvstack's side (stock's LMCacheConnectorV1 restores no hybrid state)
+    control = needs_control(model, connector) and not os.environ.get("KVSTACK_OVERLAY")
+    zero = zeroing_switch() if control else None
     tokens, cached = [], []
-    for _ in range(2):
+    for run in range(3 if control else 2):  # the third: the repeat again, restored states zeroed
+        if zero is not None:
+            zero[0] = run == 2
         out = llm.generate([{"prompt_token_ids": PROMPT}], sp, use_tqdm=False)[0]
         tokens.append(list(out.outputs[0].token_ids))
         cached.append(int(out.num_cached_tokens or 0))
+    if zero is not None:
+        zero[0] = False
     from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
     from vllm.distributed.kv_transfer.kv_connector.v1.lmcache_connector import LMCacheConnectorV1
 
@@ -267,13 +301,20 @@ def verdict(model: str, connector: str, stock: dict[tuple[str, str], dict],
     kvstack_only = connector not in STOCK_CONNECTORS
     if not mine["served"] and mine.get("phase") != "start-up":  # never a refusal: a fault
         return FAIL, f"kvstack failed while {mine.get('phase')}: " + _why(mine)
+    if mine["served"] and needs_control(model, connector):
+        bad = _control_failure(mine)
+        if bad:
+            return FAIL, bad
+        mine = {**mine, "tokens": mine["tokens"][:2], "cached": mine["cached"][:2]}
     ref = stock.get((model, "none" if kvstack_only else connector))
     if ref is None or not ref["served"]:
         if not mine["served"]:  # stock cannot run the model so (kvstack-only: not even without one)
             return UPSTREAM, _why(mine)
         none = stock.get((model, "none"))
-        if none and none["served"] and mine["tokens"][0] == none["tokens"][0]:
-            return KVSTACK_ONLY, f"repeat {mine['cached'][1]}/{len(PROMPT)} cached"
+        # the first run and the repeat (restored from the cache) against stock's full prefill
+        if none and none["served"] and mine["tokens"] == [none["tokens"][0]] * 2:
+            return KVSTACK_ONLY, f"repeat {mine['cached'][1]}/{len(PROMPT)} cached" + (
+                CONTROLLED if needs_control(model, connector) else "")
         return FAIL, "stock refused it; kvstack serves other tokens than stock without a connector"
     if not mine["served"]:
         if kvstack_only:
@@ -292,7 +333,28 @@ def verdict(model: str, connector: str, stock: dict[tuple[str, str], dict],
     detail = f"repeat {mine['cached'][1]}/{len(PROMPT)} cached"
     if not kvstack_only:
         detail += f" (stock {ref['cached'][1]})"
+    if needs_control(model, connector):
+        detail += CONTROLLED
     return PASS, detail
+
+
+CONTROLLED = "; zeroed state: other tokens"
+
+
+def _control_failure(mine: dict) -> str | None:
+    """Why the zeroed-state control of a hybrid LMCache cell does not hold (None: it holds): the
+    third run repeats the prompt with every restored state zeroed; it must restore as much as the
+    repeat and give other tokens, or the repeat's comparison could not have failed."""
+    if len(mine["tokens"]) < 3:
+        return "the zeroed-state control did not run"
+    if mine["cached"][1] == 0:
+        return "the repeat restored nothing: the control checks no state"
+    if mine["cached"][2] != mine["cached"][1]:
+        return f"the zeroed-state run hit {mine['cached'][2]} tokens, the repeat {mine['cached'][1]}"
+    if mine["tokens"][2] == mine["tokens"][1]:
+        return ("the control failed: with the restored states zeroed the repeat gave the same "
+                "tokens, so the comparison could not fail")
+    return None
 
 
 def host_class() -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import os
 import re
 import shlex
 import subprocess
@@ -110,9 +111,9 @@ def test_the_two_commands_are_what_ci_and_the_demo_test_run():
     assert 'export CI="${CI:-1}"' in ci_run
 
 
-def run(block: str, timeout: int = 900) -> subprocess.CompletedProcess:
+def run(block: str, timeout: int = 900, env: dict | None = None) -> subprocess.CompletedProcess:
     res = subprocess.run(["bash", "-euo", "pipefail", "-c", block], cwd=REPO, capture_output=True,
-                         text=True, timeout=timeout)
+                         text=True, timeout=timeout, env=env)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return res
 
@@ -152,9 +153,22 @@ def test_streaming_example_runs_as_written():
 
 
 def test_lmcache_example_runs_as_written():
-    out = run(heredocs()["lmcache"]).stdout
-    first, second = token_lists(out)
+    """The repeat restores the K/V and the state at 96 with the first run's tokens; the negative
+    control runs the block again with every restored state zeroed (tests/env/lmcache/fault_site,
+    KVSTACK_ZERO_RESTORED_STATE): the first run restores nothing and gives the same tokens, the
+    repeat restores as much and gives others (the example's model depends on its state)."""
+    block = heredocs()["lmcache"]
+    res = run(block)
+    first, second = token_lists(res.stdout)
     assert first == second and len(first) == 8
+    assert "restored hybrid state at 96" in res.stdout + res.stderr
+    site = REPO / "tests" / "env" / "lmcache" / "fault_site"
+    env = {**os.environ, "KVSTACK_ZERO_RESTORED_STATE": "1",
+           "PYTHONPATH": os.pathsep.join([str(site), str(REPO), os.environ.get("PYTHONPATH", "")])}
+    res = run(block, env=env)
+    z_first, z_second = token_lists(res.stdout)
+    assert "zeroed pid=" in res.stderr and "restored hybrid state at 96" in res.stdout + res.stderr
+    assert z_first == first and z_second != first, "a zeroed state must change the repeat's tokens"
 
 
 def test_gpu_bench_commands_parse():

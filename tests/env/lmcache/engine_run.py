@@ -118,14 +118,9 @@ def main(argv=None) -> int:
     from vllm.config import KVTransferConfig
 
     if args.zero_restored_state:
-        import lmcache.integration.vllm.vllm_v1_adapter as adapter
+        from kvstack.testbed.long_memory import zeroing_switch
 
-        scatter = adapter.scatter_states
-
-        def scatter_zeros(caches, layout, blocks, states):
-            scatter(caches, layout, blocks, {k: [t * 0 for t in v] for k, v in states.items()})
-
-        adapter.scatter_states = scatter_zeros
+        zeroing_switch()[0] = True
 
     zero_kv = [False]
     if args.zero_restored_kv_from is not None:

@@ -5,7 +5,9 @@ checks only what does not depend on timing: every route that ran gave the recomp
 and the RESULT line carries every figure (a number, or n/a with the reason printed above it).
 Route 3 (in-process LMCache, a new engine process B whose only source is the lmcache_server; the
 hybrid state lives in LMCache's storage, no state directory) must run, hit and give the recompute
-run's tokens, and the HEADLINE line states it against recompute.
+run's tokens, and the HEADLINE line states it against recompute. The bench's model has a long-memory
+state (kvstack.testbed.long_memory), and route 3's negative control (engine B serves the repeat again
+with the restored states zeroed: as many tokens cached, other tokens) must hold.
 """
 
 from __future__ import annotations
@@ -29,7 +31,9 @@ KEYS = ("vllm_cache", "lmcache_inproc", "lmcache_mp", "lmcache_plus_vllm")
 
 def test_bench_hybrid_repeat_small(tmp_path):
     env = {**os.environ, "PYTHONHASHSEED": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
-    res = subprocess.run([sys.executable, str(BENCH), "--prompt-tokens", "512", "--hidden", "128",
+    # 544 = two 256-token steps + 32: the repeat restores 512 and computes 32 tokens, where the
+    # restored state still decides them (route 3's control)
+    res = subprocess.run([sys.executable, str(BENCH), "--prompt-tokens", "544", "--hidden", "128",
                           "--layers", "4", "--step", "256", "--chunk", "256", "--flush-s", "2", "--engine-timeout", "240",
                           "--model-root", str(tmp_path / "models")],
                          capture_output=True, text=True, env=env, timeout=600)
@@ -65,5 +69,6 @@ def test_bench_hybrid_repeat_small(tmp_path):
     if not version("lmcache").startswith("0.5.3"):
         assert fields["lmcache_plus_vllm"] != "n/a", out
         assert re.fullmatch(r"\d+\.\d+x", fields["lmcache_plus_vllm_vs_vllm_cache"]), result
+    assert fields["lmcache_inproc_control"] == "held", out
     assert re.search(r"^HEADLINE .*route 3\): \d+\.\d+ s vs recompute \d+\.\d+ s = \d+\.\d+x, "
-                     r"[1-9]\d* tokens cached, tokens equal$", out, re.M), out
+                     r"[1-9]\d* tokens cached, tokens equal, zeroed-state control held$", out, re.M), out

@@ -10,17 +10,20 @@ connector's ``get_num_new_matched_tokens`` result as ``vllm:external_prefix_cach
 out of ``vllm:external_prefix_cache_queries``; no LMCache-specific metric is needed for that.
 
 The random tiny Qwen3-Next forgets its recurrent state within a token: a wrong restored state would
-not change its tokens. The state's exactness is checked on two more local-cpu servers of the same
-model with a long-memory GDN state (kvstack.testbed.long_memory), 32-token steps like the offline
-reference (one chunk per step: bf16 near-ties of that model could flip a token across different
-step partitions): ``long`` (its repeat restores the state at 96 with the reference's tokens) and,
-the negative control, ``long-zero`` (every restored state zeroed by
-tests/env/lmcache/fault_site/sitecustomize.py, KVSTACK_ZERO_RESTORED_STATE: its repeat hits as much
-and gives other tokens).
+not change its tokens, so its servers make no claim about a restore's tokens (their repeat test
+checks the hit on /metrics; their other prompts share no prefix and restore nothing). The tokens of a
+restore are checked on two more servers, one per backend, of the same model with a long-memory GDN
+state (kvstack.testbed.long_memory), 32-token steps like the offline reference (one chunk per step:
+bf16 near-ties of that model could flip a token across different step partitions): the repeat
+restores the state at 96 with the reference's tokens; the negative control, on the same server,
+zeroes every restored state while a flag file exists (tests/env/lmcache/fault_site/sitecustomize.py,
+KVSTACK_ZERO_RESTORED_STATE): its repeat hits as much and gives other tokens, and once the flag is
+gone the next repeat is exact again.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -62,8 +65,8 @@ LMCACHE_SERVER = ["lmcache_server", "127.0.0.1", LMCACHE_PORT]
 # the long-memory servers: same arguments, the long-memory model, one 32-token chunk per step
 LONG_SERVE = [LONG_MODEL if a == MODEL else "32" if i and SERVE[i - 1] == "--max-num-batched-tokens"
               else a for i, a in enumerate(SERVE)]
-ENV["long"] = ENV["local-cpu"]
-ENV["long-zero"] = ENV["local-cpu"]
+ENV["long-local-cpu"] = ENV["local-cpu"]
+ENV["long-remote"] = ENV["remote"]
 # 200 random prompts of 210-390 tokens, 4 at a time.
 BENCH = ["--host", "127.0.0.1", "--port", "8000", "--model", MODEL,
          "--dataset-name", "random", "--random-input-len", "300", "--random-range-ratio", "0.3",
@@ -82,11 +85,15 @@ def prompt(n: int, salt: int) -> list[int]:
 GREEDY = {f"p{n}": prompt(n, i) for i, n in enumerate([100, 37, 260, 300])}
 MIXED = {f"mixed{i}-{n}": prompt(n, 10 + i)
          for i, n in enumerate([100, 480, 33, 200, 64, 350, 7, 150])}
+# the same lengths, other prompts: sent together they restore nothing (the one-by-one run stored MIXED)
+TOGETHER = {f"together{i}-{n}": prompt(n, 60 + i)
+            for i, n in enumerate([100, 480, 33, 200, 64, 350, 7, 150])}
 AFTER_400 = {"after400": prompt(120, 30)}
 # A fresh prompt per backend: its first request is a miss, its repeat an LMCache hit.
 REPEAT = {"repeat-local-cpu": prompt(100, 40), "repeat-remote": prompt(100, 41)}
-PROMPTS = {**GREEDY, **MIXED, **AFTER_400, **REPEAT}
-LONG_PROMPTS = {"repeat-long": prompt(100, 42), "repeat-long-zero": prompt(100, 43)}
+PROMPTS = {**GREEDY, **MIXED, **TOGETHER, **AFTER_400, **REPEAT}
+LONG_PROMPTS = {"repeat-long-local-cpu": prompt(100, 42), "zeroed-long-local-cpu": prompt(100, 43),
+                "repeat-long-remote": prompt(100, 44), "zeroed-long-remote": prompt(100, 45)}
 
 
 @pytest.fixture(scope="module")
@@ -115,16 +122,24 @@ def long_reference():
 
 
 @pytest.fixture(scope="module")
-def long_server(request, long_reference):
-    s = Server(f"qwen3next-lmcache-{request.param}", LONG_SERVE, ENV[request.param])
-    if request.param == "long-zero":
-        with_fault_site(s)
-    with serving(s):
-        s.backend = request.param
+def long_server(request, long_reference, tmp_path_factory):
+    """A long-memory server; its restored states are zeroed while long_server.zero_flag exists."""
+    backend = request.param
+    flag = tmp_path_factory.mktemp("zero") / "zero.flag"
+    with contextlib.ExitStack() as stack:
+        ports = {}
+        if backend == "long-remote":
+            ports = {LMCACHE_PORT: free_port()}
+            stack.enter_context(lmcache_server(ports[LMCACHE_PORT]))
+        s = with_fault_site(Server(f"qwen3next-lmcache-{backend}", LONG_SERVE, ENV[backend], ports=ports),
+                            str(flag))
+        stack.enter_context(serving(s))
+        s.backend, s.zero_flag = backend, flag
         yield s
 
 
 BOTH = pytest.mark.parametrize("server", ["local-cpu", "remote"], indirect=True)
+LONG_BOTH = pytest.mark.parametrize("long_server", ["long-local-cpu", "long-remote"], indirect=True)
 
 
 @pytest.fixture(scope="module")
@@ -148,25 +163,33 @@ def expected(reference):
     return dict(zip(PROMPTS, reference.result()))
 
 
+def _hits(server) -> float:
+    return server.metrics()["vllm:external_prefix_cache_hits_total"]
+
+
 @BOTH
 def test_greedy_completions_equal_offline_generate(server, expected):
     client = server.client()
+    before = _hits(server)
     for name, p in GREEDY.items():
         assert server.complete(p, MAX_TOKENS, client) == expected[name], name
+    assert _hits(server) == before  # computed, nothing restored (a restore's tokens: LONG_BOTH)
 
 
 @BOTH
-def test_repeat_is_an_lmcache_hit_on_metrics_with_the_same_tokens(server, expected):
+def test_repeat_is_an_lmcache_hit_on_metrics(server, expected):
     """100-token prompt, 64-token steps, 32-token chunks: the repeat restores K/V and the hybrid
     state at 96 tokens (the second prefill step, 64 -> 100, is cut at the chunk boundary 96 where
-    the state is saved: vLLM 0010 / LMCache 0018) and recomputes the rest."""
+    the state is saved: vLLM 0010 / LMCache 0018) and recomputes the rest; vLLM's own counters on
+    /metrics show the hit. The repeat's tokens are the long-memory servers' check (below): this
+    model's would not change with a wrong state."""
     name = f"repeat-{server.backend}"
     p = REPEAT[name]
     client = server.client()
     before = server.metrics()
-    assert server.complete(p, MAX_TOKENS, client) == expected[name]
+    assert server.complete(p, MAX_TOKENS, client) == expected[name]  # a miss: computed
     time.sleep(1.0)  # LMCache stores asynchronously (the remote backend over the network)
-    assert server.complete(p, MAX_TOKENS, client) == expected[name]
+    server.complete(p, MAX_TOKENS, client)
     after = server.wait_metrics(lambda m: m["vllm:external_prefix_cache_hits_total"]
                                 > before["vllm:external_prefix_cache_hits_total"])
     assert after["vllm:external_prefix_cache_hits_total"] - before[
@@ -189,39 +212,49 @@ def _repeat(server, p):
         "vllm:external_prefix_cache_hits_total"]
 
 
-@pytest.mark.parametrize("long_server", ["long"], indirect=True)
+@LONG_BOTH
 def test_long_memory_repeat_restores_the_state_exactly(long_server, long_reference):
     """The model whose tokens depend on its state: the repeat restores the state at 96 and gives
     the offline reference's tokens."""
-    first, again, hit = _repeat(long_server, LONG_PROMPTS["repeat-long"])
-    assert first == again == long_reference["repeat-long"]
+    first, again, hit = _repeat(long_server, LONG_PROMPTS[f"repeat-{long_server.backend}"])
+    assert first == again == long_reference[f"repeat-{long_server.backend}"]
     assert hit == 96
     assert "restored hybrid state at 96" in long_server.log.read_text()
 
 
-@pytest.mark.parametrize("long_server", ["long-zero"], indirect=True)
+@LONG_BOTH
 def test_negative_control_zeroed_state_changes_the_repeat(long_server, long_reference):
-    """The check above can fail: with every restored state zeroed the repeat still hits 96 tokens
-    and restores its state there, and its tokens differ from the reference (the first request,
-    which restores nothing, equals it)."""
-    first, again, hit = _repeat(long_server, LONG_PROMPTS["repeat-long-zero"])
-    assert first == long_reference["repeat-long-zero"]
+    """The check above can fail: with every restored state zeroed (the flag file on, same server)
+    the repeat still hits 96 tokens and restores its state there, and its tokens differ from the
+    reference (the first request, which restores nothing, equals it); with the flag gone the next
+    repeat is exact again."""
+    name = f"zeroed-{long_server.backend}"
+    long_server.zero_flag.write_text("on")
+    try:
+        first, again, hit = _repeat(long_server, LONG_PROMPTS[name])
+    finally:
+        long_server.zero_flag.unlink()
+    assert first == long_reference[name]
     assert hit == 96
-    log = long_server.log.read_text()
-    assert "restored hybrid state at 96" in log and "zeroed pid=" in log
-    assert again != long_reference["repeat-long-zero"], "a zeroed state must change the tokens"
+    assert "zeroed pid=" in long_server.log.read_text()
+    assert again != long_reference[name], "a zeroed state must change the tokens"
+    assert long_server.complete(LONG_PROMPTS[name], MAX_TOKENS) == long_reference[name]
 
 
 @BOTH
 def test_concurrent_requests_equal_one_at_a_time(server, expected):
+    """Eight prompts one at a time, then eight others of the same lengths at once: each gives the
+    offline reference's tokens, and none restores anything (a restore's tokens: LONG_BOTH)."""
     client = server.client()
+    before = _hits(server)
     one_by_one = {name: server.complete(p, MAX_TOKENS, client) for name, p in MIXED.items()}
-    with ThreadPoolExecutor(len(MIXED)) as pool:
+    with ThreadPoolExecutor(len(TOGETHER)) as pool:
         futures = {name: pool.submit(server.complete, p, MAX_TOKENS, client)
-                   for name, p in MIXED.items()}
+                   for name, p in TOGETHER.items()}
         together = {name: f.result() for name, f in futures.items()}
-    assert together == one_by_one
     assert one_by_one == {name: expected[name] for name in MIXED}
+    assert together == {name: expected[name] for name in TOGETHER}
+    assert _hits(server) == before
 
 
 @BOTH

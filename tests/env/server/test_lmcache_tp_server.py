@@ -47,7 +47,7 @@ def server(tmp_path_factory):
     long_memory_qwen3next(make_model("qwen3next", ROOT / lm.MODEL), ROOT / lm.LONG_MODEL)
     flag = tmp_path_factory.mktemp("zero") / "zero.flag"
     s = with_fault_site(Server("qwen3next-lmcache-tp2", SERVE,
-                               {**lm.ENV["long"], "VLLM_CPU_OMP_THREADS_BIND": "0|1"}), str(flag))
+                               {**lm.ENV["long-local-cpu"], "VLLM_CPU_OMP_THREADS_BIND": "0|1"}), str(flag))
     with serving(s, timeout_s=420) as srv:
         srv.zero_flag = flag
         yield srv
