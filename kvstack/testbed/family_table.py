@@ -125,7 +125,8 @@ def make_models(models: list[str], dest: Path) -> None:
 
 def needs_control(model: str, connector: str) -> bool:
     """Whether the cell's repeat restores a recurrent state that the zeroed-state control checks."""
-    return family(model).long_memory and connector in ("lmcache", "multi")
+    fam = next((f for f in FAMILIES if f.model == model), None)
+    return fam is not None and fam.long_memory and connector in ("lmcache", "multi")
 
 
 def build_stock_overlay(dest: Path) -> Path:

@@ -75,3 +75,22 @@ def test_cells():
     assert ("llama", "streaming") not in ft.cells("stock")
     assert ("qwen3next", "multi") in ft.cells("kvstack")
     assert ft.cells("kvstack", ["llama"]) == [("llama", c) for c in ft.CONNECTORS]
+
+
+def test_hybrid_lmcache_cells_need_their_zeroed_state_control():
+    """A Mamba-style hybrid's LMCache cell runs a third time with the restored states zeroed: it
+    must hit as much as the repeat and give other tokens, or the cell fails."""
+    none = served(cached=(0, 0))
+
+    def hv(tokens, cached, connector="lmcache"):
+        return ft.verdict("qwen3next", connector, {("qwen3next", "none"): none},
+                          {("qwen3next", connector): served(tokens, cached)})
+
+    held = hv(T + [[9, 9, 9]], (0, 192, 192))
+    assert held == (ft.KVSTACK_ONLY, "repeat 192/200 cached" + ft.CONTROLLED)
+    assert hv(T, (0, 192))[0] == ft.FAIL  # the control did not run
+    assert "same tokens" in hv(T + [[5, 6, 7]], (0, 192, 192))[1]  # the control failed
+    assert hv(T + [[9, 9, 9]], (0, 192, 96))[0] == ft.FAIL  # it restored less
+    assert hv([[5, 6, 7], [5, 6, 8], [9, 9, 9]], (0, 192, 192))[0] == ft.FAIL  # the repeat differs
+    assert hv(T + [[9, 9, 9]], (0, 0, 0))[0] == ft.FAIL  # nothing restored: no state checked
+    assert not ft.needs_control("qwen3next", "streaming") and not ft.needs_control("llama", "lmcache")
