@@ -41,6 +41,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+# the connector's copy planning (kvstack/streaming/transfer.py imports only torch; the working tree
+# a GPU machine gets holds it, so nothing needs carrying)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from kvstack.streaming.transfer import slot_runs  # noqa: E402
+
 NEG_INF = float("-inf")
 GIB = 1 << 30
 MIB = 1 << 20
@@ -94,19 +99,9 @@ def page_table(n_pages: int, pool_pages: int, order: str, seed: int, rotate: int
 
 def token_runs(pages: list[int], page: int, start: int, end: int) -> list[tuple[int, int]]:
     """Tokens [start, end) of a history as runs (first token in the flat pool, length), runs of
-    consecutive pool pages coalesced into one."""
-    runs: list[tuple[int, int]] = []
-    t = start
-    while t < end:
-        p, off = divmod(t, page)
-        n = min(page - off, end - t)
-        src = pages[p] * page + off
-        if runs and runs[-1][0] + runs[-1][1] == src:
-            runs[-1] = (runs[-1][0], runs[-1][1] + n)
-        else:
-            runs.append((src, n))
-        t += n
-    return runs
+    consecutive pool pages coalesced into one: the connector's own planning
+    (kvstack.streaming.transfer.slot_runs, what its windows and write-backs copy by)."""
+    return [(slot, n) for slot, _, n in slot_runs(pages, page, start, max(0, end - start))]
 
 
 @dataclass

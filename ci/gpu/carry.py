@@ -740,6 +740,75 @@ def cmd_pack(args) -> int:
     return 0
 
 
+# ----------------------------------------------------------------------------- plan
+
+# Device seconds of each part of a session, from the H200 run of 2026-11-26 (ci/gpu/README.md):
+# a fresh machine's start, one unpack call, then the last call's steps (the floor bench as one
+# step was not timed there: its 128K + 1M contiguous figures, an estimate).
+PLAN_SECONDS = {"start": 60, "unpack": 5, "floor bench": 120, "install": 50, "check_layout": 75,
+                "check_streaming": 190}
+PLAN_TARGET_S = 600  # the last call must fit one `run` call; the session's budget is 900 s
+ASSUMED_FOLDERS = 6  # the pack of 2026-11-26 (base 0.25), when none is packed here
+
+
+def cmd_plan(args) -> int:
+    """The `run` calls of a GPU session in order, their carry and expected device time."""
+    manifest = None
+    first = args.out / "000" / "manifest.json"
+    if first.is_file():
+        manifest = json.loads(first.read_text())
+    tree = tree_bytes() or 0
+    limit = (CALL_LIMIT_MIB - CALL_MARGIN_MIB) * 2**20
+    rel = args.out.relative_to(ROOT) if args.out.is_relative_to(ROOT) else args.out
+    ok = True
+    if manifest is None:
+        folders = [(f"{i:03d}", None) for i in range(ASSUMED_FOLDERS)]
+        print(f"no carry packed in {rel}: `KVSTACK_BASE=0.25 python3 ci/gpu/carry.py pack` first "
+              f"(assumed here: {ASSUMED_FOLDERS} folders, as packed on 2026-11-26)")
+    else:
+        folders = [(f, sum(pc["size"] for e in manifest["files"] for pc in e["pieces"]
+                           if pc["folder"] == f)) for f in manifest["folders"]]
+        print(f"carry packed in {rel} (manifest {manifest['id']}, base {manifest.get('base')}): "
+              f"{len(manifest['files'])} files in {len(folders)} folders")
+    print(f"working tree sent with every call: {tree / 2**20:.1f} MiB; a call may carry "
+          f"{limit / 2**20:.1f} MiB ({CALL_LIMIT_MIB} less a {CALL_MARGIN_MIB:g} MiB margin)")
+    total = PLAN_SECONDS["start"]
+    print(f"  start of a fresh machine: ~{PLAN_SECONDS['start']} s")
+    for i, (folder, size) in enumerate(folders):
+        extra = " && python3 -m pip list --format=freeze > $OUT/have.txt" if i == 0 else ""
+        if size is None:
+            mib = "<= 58 MiB"
+        else:
+            mib = f"{size / 2**20:.1f} MiB + tree = {(size + tree) / 2**20:.1f} MiB"
+            if size + tree > limit:
+                ok = False
+                mib += " OVER THE LIMIT"
+        print(f"  call {i + 1}: carry [\"{rel}/{folder}\"] ({mib}): python3 ci/gpu/carry.py unpack "
+              f"{rel}/{folder}{extra}   ~{PLAN_SECONDS['unpack']} s")
+        total += PLAN_SECONDS["unpack"]
+    limits = args.bench_s + PLAN_SECONDS["install"] + args.layout_s + args.streaming_s
+    steps = ("floor bench", "install", "check_layout", "check_streaming")
+    expect = sum(min(PLAN_SECONDS[s], lim) for s, lim in zip(steps, (
+        args.bench_s, PLAN_SECONDS["install"], args.layout_s, args.streaming_s)))
+    print(f"  call {len(folders) + 1}: bash ci/gpu/first_run.sh   (timeout_s 600; limits: floor bench "
+          f"{args.bench_s} s [python3 bench/streaming_gpu.py {args.bench_args}], install ~"
+          f"{PLAN_SECONDS['install']} s, check_layout {args.layout_s} s, check_streaming "
+          f"{args.streaming_s} s = {limits} s)   ~{expect} s")
+    total += expect
+    if limits > PLAN_TARGET_S:
+        ok = False
+        print(f"error: the last call's limits add up to {limits} s, over one call's {PLAN_TARGET_S} s")
+    print(f"  then: copy $OUT's summary.log, floor-bench.log and check logs into ci/gpu/results/ and "
+          "the figures into docs/streaming-gpu.md and the README; give_back")
+    print(f"DEVICE TIME expected {total} s ({total / 60:.1f} min) of the {PLAN_TARGET_S // 60}-minute "
+          f"target (at most {PLAN_SECONDS['start'] + len(folders) * PLAN_SECONDS['unpack'] + limits} s "
+          "with every step at its limit); a session's device budget is 900 s")
+    if total > PLAN_TARGET_S:
+        ok = False
+        print("error: the plan overruns its target")
+    return 0 if ok else 1
+
+
 # ----------------------------------------------------------------------------- there
 
 def cmd_unpack(args) -> int:
@@ -867,6 +936,13 @@ def main(argv=None) -> int:
     p.add_argument("--wheels-deps", type=Path,
                    help="cache of the cp312 dependency wheels (default ~/.cache/kvstack/wheels-cp312)")
     p.add_argument("--pip", help="pip command (default: this python -m pip)")
+    pl = sub.add_parser("plan", help="(here) the session's run calls and their device time "
+                        "(ci/gpu/first_run.sh --dry-run)")
+    pl.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"the packed carry (default {DEFAULT_OUT})")
+    pl.add_argument("--bench-s", type=int, default=150)
+    pl.add_argument("--layout-s", type=int, default=150)
+    pl.add_argument("--streaming-s", type=int, default=240)
+    pl.add_argument("--bench-args", default="")
     u = sub.add_parser("unpack", help="(there) take one carried folder into --dest")
     u.add_argument("folder", type=Path)
     u.add_argument("--dest", type=Path, default=DEFAULT_DEST, help=f"default {DEFAULT_DEST}")
@@ -882,6 +958,9 @@ def main(argv=None) -> int:
             ap.error(f"--piece-mib must be in (0, {CALL_LIMIT_MIB}]")
         args.out = args.out.resolve()
         return cmd_pack(args)
+    if args.cmd == "plan":
+        args.out = args.out.resolve()
+        return cmd_plan(args)
     if args.cmd == "unpack":
         return cmd_unpack(args)
     return cmd_install(args)

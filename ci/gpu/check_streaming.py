@@ -238,16 +238,20 @@ class Probe:
             self.max_history = max(self.max_history, int(ctx))
             self.max_windows = max(self.max_windows, -(-int(ctx) // max(int(window), 1)))
             if self.prompt_len and ctx > 0 and (q.shape[0] == 1 or ctx + q.shape[0] == self.prompt_len):
-                self._observe(q[-1], new_k, history, int(ctx), float(scale))
+                self._observe(q[-1], new_k, history, int(ctx), float(scale), int(window))
             return inner(q, new_k, new_v, history, ctx, window, scale, *a, **kw)
 
         worker_side.windowed_attention = counted
         self.installed = True
 
-    def _observe(self, q_last, new_k, history, ctx, scale):
+    def _observe(self, q_last, new_k, history, ctx, scale, window):
         import torch
 
-        hk, _ = history(0, ctx)
+        if hasattr(history, "windows"):  # the connector's PagedHistory (kvstack/streaming/transfer.py)
+            # copies: the staging buffers are reused by the next window
+            hk = torch.cat([k.clone() for _, k, _ in history.windows(ctx, window)])
+        else:
+            hk, _ = history(0, ctx)
         keys = torch.cat([hk.to(q_last.device).float(), new_k.float()])  # [S, Hkv, D]
         rep = q_last.shape[0] // keys.shape[1]
         scores = torch.einsum("hd,shd->hs", q_last.float(), keys.repeat_interleave(rep, 1)) * scale

@@ -151,31 +151,25 @@ def attend_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 
 
 def windowed_attention(q: torch.Tensor, new_k: torch.Tensor, new_v: torch.Tensor,
-                       history: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]],
-                       ctx: int, window: int, scale: float,
+                       history, ctx: int, window: int, scale: float,
                        out: torch.Tensor | None = None,
                        features: Features | None = None) -> torch.Tensor:
     """Causal attention of q (positions ctx..ctx+T-1) over history [0, ctx) + new K/V.
 
-    ``history(start, end)`` returns the host-tier K/V of tokens [start, end); it is called once per
-    window, so only ``window`` tokens of history are on the query's device at a time (two on a
-    GPU, where the next window is gathered and copied on a side stream while this one is
-    attended)."""
+    ``history`` gives the history's K/V one window at a time, so only a window or two of it are
+    on the query's device at once: either an object with ``windows(ctx, window)`` yielding
+    ``(start, k, v)`` on the query's device (transfer.PagedHistory: the connector's path, page runs
+    copied into staging buffers on a copy stream, the next window loading while this one is
+    attended), or a callable ``history(start, end) -> (k, v)`` (host tensors, copied as they come)."""
     T, dtype = q.shape[0], q.dtype
     if q.device.type == "cpu" and ctx > 0:
         q = q.float()  # once, not per window (the CPU kernels run in float32)
     acc, acc_lse = attend(q, new_k, new_v, scale, 0, features, ctx, ctx)
-    starts = list(range(0, ctx, window))
-    fetch = _gpu_fetcher(q.device, history, window, ctx) if q.is_cuda else None
-    pending = fetch(starts[0]) if (fetch and starts) else None
-    for i, start in enumerate(starts):
-        if fetch is None:
-            hk, hv = history(start, min(start + window, ctx))
-        else:
-            hk, hv, ready = pending
-            if i + 1 < len(starts):
-                pending = fetch(starts[i + 1])  # overlaps with the attention below
-            torch.cuda.current_stream(q.device).wait_event(ready)
+    if hasattr(history, "windows"):
+        windows = history.windows(ctx, window)
+    else:
+        windows = ((s, *history(s, min(s + window, ctx))) for s in range(0, ctx, window))
+    for start, hk, hv in windows:
         part, part_lse = attend(q, hk.to(q.device), hv.to(q.device), scale, None, features,
                                 ctx, start)
         acc, acc_lse = _merged(part, part_lse, acc, acc_lse)
@@ -195,30 +189,3 @@ def _merged(part, part_lse, acc, acc_lse):
     merged_lse = torch.empty_like(acc_lse)
     merge(merged, part, part_lse, acc, acc_lse, merged_lse)
     return merged, merged_lse
-
-
-_COPY_STREAMS: dict = {}
-
-
-def _gpu_fetcher(device, history, window, ctx):
-    """Gather a window on the host, pin it, copy it on a side stream; returns (k, v, event).
-    Ran on one H200 (ci/gpu/check_streaming.py, 2026-11-26: exact against native); CI has no GPU."""
-    stream = _COPY_STREAMS.get(device)
-    if stream is None:
-        stream = _COPY_STREAMS[device] = torch.cuda.Stream(device=device)
-    compute = torch.cuda.current_stream(device)
-
-    def fetch(start):
-        hk, hv = history(start, min(start + window, ctx))
-        if not hk.is_pinned():
-            hk, hv = hk.pin_memory(), hv.pin_memory()
-        with torch.cuda.stream(stream):
-            dk = hk.to(device, non_blocking=True)
-            dv = hv.to(device, non_blocking=True)
-            ready = torch.cuda.Event()
-            ready.record(stream)
-        dk.record_stream(compute)  # allocated on the copy stream, used on the compute stream
-        dv.record_stream(compute)
-        return dk, dv, ready
-
-    return fetch

@@ -1,7 +1,8 @@
 """Worker side of the streaming connector: the host-tier K/V pools and the attention of the
 streaming layers. On vLLM's CPU backend the pools are in the kernel's layout and attended in place
 (cpu_native.py); elsewhere the history is attended in windows + the new tokens, merged by
-log-sum-exp (windowed.py)."""
+log-sum-exp (windowed.py), its windows loaded and the new K/V written back as page runs on a copy
+stream (transfer.py: no host gather, no per-call pinning, no blocking device-to-host copy)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from .compat import cpu_attn_isa
 from .host_tier import HostStore
 from .layout import PageTables, ReqStep, StreamingMetadata, _Layout
 from .shared_tier import SharedTier, open_for_engine, predict_store_tag, store_tag
+from .transfer import PagedHistory, transfers
 from .windowed import Features, windowed_attention
 
 
@@ -32,6 +34,7 @@ class _WorkerSide:
         self._pending: set[str] = set()  # streaming layers not yet computed in this step
         self.shared: SharedTier | None = None  # the shared tier (LMCache's storage), if any
         self._saves: list[tuple[int, bytes]] = []  # this step's full prompt pages to store
+        self.transfer = transfers()  # the windowed path's copies, one Transfer per device
 
     def prepare(self, vllm_config) -> None:
         """Start-up, once the model is loaded: pick the path from the layers' backend, open the
@@ -76,6 +79,7 @@ class _WorkerSide:
     def begin_step(self, meta: StreamingMetadata) -> None:
         self.tables.apply(meta)
         if meta.loads:
+            self._sync_writes()  # a page written back late must not land on what is loaded here
             self._load_pages(meta.loads)  # before the forward attends them
         self._saves = meta.saves
         self._pending = set(self.layers) if meta.reqs else set()
@@ -97,7 +101,12 @@ class _WorkerSide:
                 "PIECEWISE with attention among the splitting ops, or enforce_eager.")
         saves, self._saves = self._saves, []
         if saves and self.shared is not None:
+            self._sync_writes()  # the pages' bytes are read on the host
             self.shared.put_pages([(h, self._page_parts(p)) for p, h in saves])
+
+    def _sync_writes(self) -> None:
+        for t in self.transfer.made.values():
+            t.sync_writes()
 
     # ---- the shared tier: a page's bytes of every streaming layer, in the store's layout ----
     def _page_parts(self, page: int) -> list[torch.Tensor]:
@@ -152,14 +161,13 @@ class _WorkerSide:
             features = self._features.get(name)
             scale = float(layer.impl.scale)
             window = self.cfg.window_tokens
+            transfer = self.transfer(query.device)
+            kp, vp = self.store.k[name], self.store.v[name]
             for a, b, r in batch.segments:
-
-                def history(s, e, _p=r.pages):
-                    return self.store.read(name, _p, s, e)
-
-                windowed_attention(query[a:b], key[a:b], value[a:b], history, r.start, window,
+                windowed_attention(query[a:b], key[a:b], value[a:b],
+                                   PagedHistory(transfer, kp, vp, r.pages), r.start, window,
                                    scale, out=output[a:b], features=features)
-                self.store.write(name, r.pages, r.start, key[a:b], value[a:b])
+                transfer.write_back(kp, vp, r.pages, r.start, key[a:b], value[a:b])
         if batch.num_tokens < output.shape[0]:
             output[batch.num_tokens:].zero_()
         return output

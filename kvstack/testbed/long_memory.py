@@ -14,6 +14,10 @@ conv1d and out_proj under ``mamba.``): the random one forgets its state as fast.
 LMCache's vLLM adapter restores is zeroed (a restore the tokens do not depend on could not fail a
 comparison; with these models a zeroed state must change them).
 
+From the shell (docs/hybrid-lmcache-usage.md's example): OUT/NAME, then OUT/NAME-long-memory:
+
+    python -m kvstack.testbed.long_memory --out build/tiny-models qwen3next [granite4]
+
 Used by the demo (it must run from an installed kvstack), the family table, bench/hybrid_repeat.py
 and the tests (through
 tests/env/lmcache/hybrid_models.py). A copy is kept while its recipe and the source model's stamp
@@ -22,8 +26,10 @@ are the same, and writers running at once do not collide.
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
+import sys
 import shutil
 import tempfile
 from pathlib import Path
@@ -129,3 +135,23 @@ def zeroing_switch() -> list[bool]:
     scatter_maybe_zeroed.kvstack_zero = switch
     adapter.scatter_states = scatter_maybe_zeroed
     return switch
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m kvstack.testbed.long_memory",
+        description="Write each tiny hybrid NAME (kvstack tiny-models) into OUT/NAME and its copy with a "
+                    "long-memory recurrent state into OUT/NAME-long-memory: a wrong or zeroed restored "
+                    "state changes that one's tokens (the random one forgets its state within a token).")
+    ap.add_argument("names", nargs="+", metavar="NAME", choices=sorted(MIXERS))
+    ap.add_argument("--out", default=str(tiny_models.DEFAULT_OUT), help="parent folder (default: %(default)s)")
+    args = ap.parse_args(argv)
+    for name in args.names:
+        src = tiny_models.make_model(name, Path(args.out) / name)
+        dest = long_memory_copy(name, src, Path(args.out) / f"{name}-long-memory")
+        print(f"{name}-long-memory: {dest} (long-memory recurrent state)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -647,23 +647,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--force", action="store_true", help="rewrite even if up to date")
     parser.add_argument("--print-engine-args", action="store_true",
                         help="also print the vLLM LLM(...) arguments for each model")
-    parser.add_argument("--long-memory", action="store_true",
-                        help="also write NAME-long-memory for each hybrid NAME (qwen3next, granite4): "
-                             "its recurrent state carries the prefix, so a wrong or zeroed restored "
-                             "state changes its tokens (the random one forgets it within a token)")
     args = parser.parse_args(argv)
     names = args.names or list(MODEL_NAMES)
     unknown = [n for n in names if n not in MODELS]
     if unknown:
         parser.error(f"unknown model(s) {', '.join(unknown)}; choose from {', '.join(MODELS)}")
     written = make_models(args.out, names, force=args.force, report=print)
-    if args.long_memory:
-        from kvstack.testbed.long_memory import MIXERS, long_memory_copy
-
-        for name in [n for n in names if n in MIXERS]:
-            dest = Path(args.out) / f"{name}-long-memory"
-            long_memory_copy(name, written[name], dest)
-            print(f"{name}-long-memory: {dest} (long-memory recurrent state)")
     if args.print_engine_args:
         for name, path in written.items():
             print(f"{name}: LLM(**{llm_kwargs(name, path)!r})")

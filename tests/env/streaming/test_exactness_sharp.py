@@ -173,23 +173,23 @@ def test_broken_host_tier_read_is_detected(streaming, native, monkeypatch):
     the in-place path). The comparison with native must then fail; with the read restored the
     engine again gives the native result (the tier itself was never damaged)."""
     from kvstack.streaming import cpu_native
-    from kvstack.streaming.host_tier import HostStore
+    from kvstack.streaming.transfer import Transfer
 
     calls = []
     if streaming.kvstack_path == "windowed":
-        real_read = HostStore.read
+        real_load = Transfer._load  # a window's copy into its staging buffer (transfer.py)
 
-        def read_losing_page_0(self, layer, pages, start, end):
-            k, v = real_read(self, layer, pages, start, end)
-            lost = max(0, min(end, self.page_tokens) - start)
+        def load_losing_page_0(self, k_pool, v_pool, pages, start, end, buf, key, which):
+            k, v, ready = real_load(self, k_pool, v_pool, pages, start, end, buf, key, which)
+            lost = max(0, min(end, k_pool.shape[1]) - start)
             if lost:
                 calls.append((start, end))
-                k, v = k.clone(), v.clone()
+                self.medium.compute_waits(ready)  # landed, then lost in the staging buffer
                 k[:lost] = 0
                 v[:lost] = 0
-            return k, v
+            return k, v, ready
 
-        monkeypatch.setattr(HostStore, "read", read_losing_page_0)
+        monkeypatch.setattr(Transfer, "_load", load_losing_page_0)
     else:
         real_batch = cpu_native.kernel_batch
         unused = scheduler_connector(streaming).layout.num_pages  # the first sink page

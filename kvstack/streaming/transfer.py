@@ -1,0 +1,271 @@
+"""Copies between the host tier's pools and the attention's device, for the windowed path.
+
+The host pools (host_tier.HostStore, "tokens" layout: ``[num_pages, page_tokens, H, D]`` per layer,
+allocated once at start-up, pinned when CUDA is available) are never gathered on the host and never
+pinned per call. A window of a request's history is loaded as one copy per *run* of consecutive
+pages, straight from the pool into one of two staging buffers on the device, on a copy stream, so
+window i+1 loads while window i is attended; the new tokens' K/V go back to the pool the same way
+(one copy per run of consecutive slots) without blocking the compute stream.
+
+``Medium`` says how those copies run:
+
+- ``Medium.for_device(cpu)``: copies run at once, events and streams are no-ops (vLLM's CPU engine;
+  the same code as on a GPU, so CI runs it);
+- ``Medium.for_device(cuda:N)``: a copy stream with events; the compute stream waits for a window's
+  event before attending it, the copy stream waits for the compute stream before it overwrites a
+  staging buffer or reads a step's new K/V; host-side readers of the pools (the shared tier) call
+  ``sync_writes()`` first.
+
+Imports only torch: the floor bench and the GPU checks can use it on a bare machine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import torch
+
+
+def page_runs(pages: list[int]) -> list[tuple[int, int, int]]:
+    """(index in `pages`, first page id, count) of each run of consecutive page ids."""
+    runs: list[tuple[int, int, int]] = []
+    for i, p in enumerate(pages):
+        if runs and runs[-1][1] + runs[-1][2] == p:
+            idx, first, n = runs[-1]
+            runs[-1] = (idx, first, n + 1)
+        else:
+            runs.append((i, p, 1))
+    return runs
+
+
+def slot_runs(pages: list[int], page_tokens: int, start: int, n: int) -> list[tuple[int, int, int]]:
+    """(first pool slot, first token offset in [start, start + n), length) of each run of tokens
+    [start, start + n) of a request whose pool slots (page * page_tokens + offset) are consecutive."""
+    P = page_tokens
+    runs: list[tuple[int, int, int]] = []
+    pos, end = start, start + n
+    while pos < end:
+        take = min(P - pos % P, end - pos)
+        slot = pages[pos // P] * P + pos % P
+        if runs and runs[-1][0] + runs[-1][2] == slot:
+            s, o, length = runs[-1]
+            runs[-1] = (s, o, length + take)
+        else:
+            runs.append((slot, pos - start, take))
+        pos += take
+    return runs
+
+
+class Medium:
+    """Synchronous copies (CPU): streams and events are no-ops. Subclassed for CUDA."""
+
+    is_async = False
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    @staticmethod
+    def for_device(device: torch.device) -> "Medium":
+        return CudaMedium(device) if device.type == "cuda" else Medium(device)
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """dst <- src on the copy stream (never blocking the compute stream)."""
+        dst.copy_(src, non_blocking=self.is_async)
+
+    def on_copy_stream(self):
+        """Context for the copies of one transfer (CUDA: the copy stream)."""
+        return _NoContext()
+
+    def copy_event(self):
+        """An event after the copies issued so far on the copy stream (None: already done)."""
+        return None
+
+    def compute_waits(self, event) -> None:
+        """The compute stream waits for `event` (a window loaded)."""
+
+    def compute_event(self):
+        """An event after the work issued so far on the compute stream (None: already done)."""
+        return None
+
+    def copy_waits(self, event) -> None:
+        """The copy stream waits for `event` (the compute stream done with a buffer or tensor)."""
+
+    def keep_alive(self, t: torch.Tensor) -> None:
+        """`t`, made on the compute stream, is read by the copy stream: keep its memory until then."""
+
+    def note_writes(self) -> None:
+        """Remember the copy stream's position after a write-back (see sync_writes)."""
+
+    def sync_writes(self) -> None:
+        """The host waits for every write-back issued so far (before reading the pools on the host)."""
+
+
+class _NoContext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+class CudaMedium(Medium):
+    is_async = True
+
+    def __init__(self, device: torch.device):
+        super().__init__(device)
+        self.stream = torch.cuda.Stream(device=device)
+        self._written = None
+
+    def on_copy_stream(self):
+        return torch.cuda.stream(self.stream)
+
+    def copy_event(self):
+        ev = torch.cuda.Event()
+        ev.record(self.stream)
+        return ev
+
+    def compute_waits(self, event) -> None:
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
+
+    def compute_event(self):
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.device))
+        return ev
+
+    def copy_waits(self, event) -> None:
+        if event is not None:
+            self.stream.wait_event(event)
+
+    def keep_alive(self, t: torch.Tensor) -> None:
+        t.record_stream(self.stream)
+
+    def note_writes(self) -> None:
+        self._written = self.copy_event()
+
+    def sync_writes(self) -> None:
+        if self._written is not None:
+            self._written.synchronize()
+            self._written = None
+
+
+class Transfer:
+    """The copies of one device: two staging buffers per (K/V shape, dtype), reused across layers,
+    requests and steps, each freed by an event when the compute stream is done with it."""
+
+    def __init__(self, medium: Medium):
+        self.medium = medium
+        self._staging: dict[tuple, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._consumed: dict[tuple, list] = {}  # per buffer: the compute stream's event after its use
+        self.windows_loaded = 0
+        self.copies = 0
+
+    @property
+    def device(self) -> torch.device:
+        return self.medium.device
+
+    def _buffers(self, pool: torch.Tensor, tokens: int) -> tuple[tuple, list]:
+        key = (tuple(pool.shape[2:]), pool.dtype)
+        bufs = self._staging.get(key)
+        if bufs is None or bufs[0][0].shape[0] < tokens:
+            shape = (tokens, *pool.shape[2:])
+            bufs = [(torch.empty(shape, dtype=pool.dtype, device=self.device),
+                     torch.empty(shape, dtype=pool.dtype, device=self.device)) for _ in range(2)]
+            self._staging[key] = bufs
+            self._consumed[key] = [None, None]
+        return key, bufs
+
+    def windows(self, k_pool: torch.Tensor, v_pool: torch.Tensor, pages: list[int], ctx: int,
+                window: int) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+        """(start, K, V) of each window [start, min(start + window, ctx)) of a request's history
+        (pages: the request's page list), K/V on the device as [tokens, H, D]: the next window is
+        loaded while the caller attends this one; the caller must be done with a window (on the
+        compute stream) when it asks for the next one."""
+        if ctx <= 0:
+            return
+        P = k_pool.shape[1]
+        # tokens a window's pages can cover: one more page when a window starts inside a page
+        key, bufs = self._buffers(k_pool, (-(-window // P) + 1) * P)
+        consumed = self._consumed[key]
+        starts = list(range(0, ctx, window))
+        pending = self._load(k_pool, v_pool, pages, starts[0], min(window, ctx), bufs[0], key, 0)
+        for i, start in enumerate(starts):
+            k, v, ready = pending
+            if i + 1 < len(starts):  # overlaps with the caller's attention of this window
+                nxt = starts[i + 1]
+                pending = self._load(k_pool, v_pool, pages, nxt, min(nxt + window, ctx),
+                                     bufs[(i + 1) % 2], key, (i + 1) % 2)
+            self.medium.compute_waits(ready)
+            yield start, k, v
+            consumed[i % 2] = self.medium.compute_event()
+
+    def _load(self, k_pool, v_pool, pages, start, end, buf, key, which):
+        """Tokens [start, end) of the request into staging buffer `which`: one copy per run of
+        consecutive pages, on the copy stream, after the compute stream is done with the buffer."""
+        P = k_pool.shape[1]
+        first, last = start // P, (end - 1) // P
+        bk, bv = buf
+        m = self.medium
+        with m.on_copy_stream():
+            m.copy_waits(self._consumed[key][which])
+            for idx, page, n in page_runs(pages[first:last + 1]):
+                rows = slice(idx * P, (idx + n) * P)
+                m.copy(bk[rows], k_pool[page:page + n].flatten(0, 1))
+                m.copy(bv[rows], v_pool[page:page + n].flatten(0, 1))
+                self.copies += 2
+            ready = m.copy_event()
+        self.windows_loaded += 1
+        off = start - first * P
+        return bk[off:off + end - start], bv[off:off + end - start], ready
+
+    def write_back(self, k_pool: torch.Tensor, v_pool: torch.Tensor, pages: list[int], start: int,
+                   k: torch.Tensor, v: torch.Tensor) -> None:
+        """Tokens [start, start + len(k)) of a request into the pools: one copy per run of
+        consecutive slots, on the copy stream after the compute stream has made k and v; nothing
+        waits for it here (sync_writes() before the host reads the pools)."""
+        n = k.shape[0]
+        if not n:
+            return
+        P = k_pool.shape[1]
+        kf, vf = k_pool.view(-1, *k_pool.shape[2:]), v_pool.view(-1, *v_pool.shape[2:])
+        k, v = k.to(kf.dtype), v.to(vf.dtype)
+        m = self.medium
+        made = m.compute_event()
+        with m.on_copy_stream():
+            m.copy_waits(made)
+            for slot, off, length in slot_runs(pages, P, start, n):
+                m.copy(kf[slot:slot + length], k[off:off + length])
+                m.copy(vf[slot:slot + length], v[off:off + length])
+                self.copies += 2
+        m.keep_alive(k)
+        m.keep_alive(v)
+        m.note_writes()
+
+    def sync_writes(self) -> None:
+        self.medium.sync_writes()
+
+
+class PagedHistory:
+    """A request's history in the pools of one layer, for windowed_attention: its windows come
+    through `transfer` (page runs into staging buffers on the attention's device)."""
+
+    def __init__(self, transfer: Transfer, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                 pages: list[int]):
+        self.transfer, self.k_pool, self.v_pool, self.pages = transfer, k_pool, v_pool, pages
+
+    def windows(self, ctx: int, window: int) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+        return self.transfer.windows(self.k_pool, self.v_pool, self.pages, ctx, window)
+
+
+def transfers() -> Callable[[torch.device], Transfer]:
+    """A Transfer per device, made on first use."""
+    made: dict[torch.device, Transfer] = {}
+
+    def get(device: torch.device) -> Transfer:
+        t = made.get(device)
+        if t is None:
+            t = made[device] = Transfer(Medium.for_device(device))
+        return t
+
+    get.made = made
+    return get

@@ -1,0 +1,205 @@
+"""The windowed path's copies (kvstack/streaming/transfer.py), no engine needed: page runs and slot
+runs, windowed attention through staging buffers equal to full attention, and the connector's
+per-step path under a fake asynchronous device.
+
+The fake device (`DeferredMedium`) is a copy stream the way a GPU runs one: a copy is queued when it
+is issued and lands only when something waits for it (the compute stream waiting for a window's
+event, or the host syncing the write-backs); `EagerMedium` lands each copy at once. The attention
+reads the staging buffers whatever has landed: a missing wait (a window attended before it is
+loaded) or a buffer reused too early changes the output, and the comparison with full attention
+fails. Issue 32's acceptance: no `pin_memory()` call and no blocking device-to-host copy on the
+per-step path (both patched to raise while the connector's worker side runs two steps), every
+pool <-> device copy issued as an asynchronous copy.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from kvstack.streaming.host_tier import HostStore, PagePool  # noqa: E402
+from kvstack.streaming.transfer import (  # noqa: E402
+    Medium, PagedHistory, Transfer, page_runs, slot_runs)
+from kvstack.streaming.windowed import windowed_attention  # noqa: E402
+
+
+def reference(q, k, v, scale, ctx):
+    """Softmax attention of q (positions ctx..) over all of k/v, causal, in float64."""
+    T, Hq, _ = q.shape
+    S, Hkv, _ = k.shape
+    kk = k.double().repeat_interleave(Hq // Hkv, dim=1)
+    vv = v.double().repeat_interleave(Hq // Hkv, dim=1)
+    s = torch.einsum("thd,shd->hts", q.double(), kk) * scale
+    mask = torch.arange(S)[None, :] > (torch.arange(T)[:, None] + ctx)
+    return torch.einsum("hts,shd->thd", s.masked_fill(mask, float("-inf")).softmax(-1), vv)
+
+
+class _Event:
+    def __init__(self, medium, upto):
+        self.medium, self.upto = medium, upto
+
+
+class DeferredMedium(Medium):
+    """A fake asynchronous device: copies queue on the "copy stream" and land when waited for."""
+
+    is_async = True
+
+    def __init__(self):
+        super().__init__(torch.device("cpu"))
+        self.queue: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.landed = 0  # copies landed so far (queue positions)
+        self.issued = 0
+        self.non_blocking = []
+
+    def copy(self, dst, src):
+        # read and written when it lands, in issue order, as on one copy stream
+        self.queue.append((dst, src))
+        self.issued += 1
+
+    def _land(self, upto):
+        while self.landed < upto:
+            dst, src = self.queue[self.landed]
+            dst.copy_(src)
+            self.landed += 1
+
+    def copy_event(self):
+        return _Event(self, self.issued)
+
+    def compute_waits(self, event):
+        if event is not None:
+            self._land(event.upto)
+
+    def note_writes(self):
+        self._written = self.issued
+
+    def sync_writes(self):
+        self._land(getattr(self, "_written", 0))
+
+
+class EagerMedium(DeferredMedium):
+    """Copies land as soon as they are issued (a copy stream far ahead of the compute stream)."""
+
+    def copy(self, dst, src):
+        super().copy(dst, src)
+        self._land(self.issued)
+
+
+def test_page_runs_and_slot_runs():
+    assert page_runs([4, 5, 6, 2, 3, 9]) == [(0, 4, 3), (3, 2, 2), (5, 9, 1)]
+    assert page_runs([]) == []
+    # tokens 3..11 of a request with pages [7, 8, 2] of 4 tokens: slots 31, 32..35, 8..11
+    assert slot_runs([7, 8, 2], 4, 3, 9) == [(31, 0, 5), (8, 5, 4)]
+    assert slot_runs([1, 2], 4, 0, 8) == [(4, 0, 8)]
+    assert slot_runs([5], 4, 2, 1) == [(22, 0, 1)]
+
+
+@pytest.mark.parametrize("medium", [Medium, DeferredMedium, EagerMedium])
+@pytest.mark.parametrize("ctx,new,window,page,order", [
+    (64, 1, 16, 8, "reversed"), (100, 13, 32, 16, "runs"), (37, 5, 7, 3, "reversed"),
+    (96, 32, 96, 32, "runs"), (200, 3, 24, 8, "runs"), (0, 7, 4, 4, "runs")])
+def test_windows_through_staging_equal_full_attention(medium, ctx, new, window, page, order):
+    torch.manual_seed(ctx + new + window)
+    Hq, Hkv, D = 4, 2, 32
+    scale = D ** -0.5
+    q = torch.randn(new, Hq, D)
+    k = torch.randn(ctx + new, Hkv, D)
+    v = torch.randn(ctx + new, Hkv, D)
+    npages = -(-(ctx + new) // page)
+    pages = list(range(npages))[::-1] if order == "reversed" else (
+        list(range(40, 40 + npages // 2)) + list(range(2, 2 + npages - npages // 2)))
+    store = HostStore(["L"], 64, page, Hkv, D, torch.float32)
+    m = medium() if medium is not Medium else Medium(torch.device("cpu"))
+    t = Transfer(m)
+    t.write_back(store.k["L"], store.v["L"], pages, 0, k[:ctx], v[:ctx])
+    t.sync_writes()
+    out = torch.empty(new, Hq, D)
+    windowed_attention(q, k[ctx:], v[ctx:], PagedHistory(t, store.k["L"], store.v["L"], pages),
+                       ctx, window, scale, out=out)
+    torch.testing.assert_close(out.double(), reference(q, k, v, scale, ctx), atol=2e-5, rtol=2e-5)
+    assert t.windows_loaded == -(-ctx // window)
+
+
+def test_a_missing_wait_is_caught_by_the_fake_device():
+    """The negative control: windows attended without waiting for their copies (the compute
+    stream not told to wait) read staging buffers the copies have not reached."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(3, 4, 32), torch.randn(67, 2, 32), torch.randn(67, 2, 32)
+    store = HostStore(["L"], 16, 8, 2, 32, torch.float32)
+    pages = list(range(9))
+    m = DeferredMedium()
+    t = Transfer(m)
+    t.write_back(store.k["L"], store.v["L"], pages, 0, k[:64], v[:64])
+    t.sync_writes()
+    m.compute_waits = lambda event: None  # the bug
+    out = windowed_attention(q, k[64:], v[64:], PagedHistory(t, store.k["L"], store.v["L"], pages),
+                             64, 16, 0.2)
+    assert not torch.allclose(out.double(), reference(q, k, v, 0.2, 64), atol=1e-3)
+
+
+def _worker(medium, page=8, window=16):
+    from kvstack.streaming.config import StreamingConfig
+    from kvstack.streaming.layout import _Layout
+    from kvstack.streaming.worker_side import _WorkerSide
+
+    cfg = StreamingConfig(streaming_layers=["L"], page_tokens=page, window_tokens=window,
+                          cpu_native_attention=False)
+    layout = _Layout(group=0, block_size=16, layers=("L",), num_kv_heads=2, head_size=32,
+                     dtype=torch.float32, num_pages=32, reuse_ok=True)
+    ws = _WorkerSide(cfg, layout)
+    ws._open_store()
+    t = Transfer(medium)
+
+    def get(device):
+        return t
+
+    get.made = {torch.device("cpu"): t}
+    ws.transfer = get
+    return ws, t
+
+
+def test_the_connectors_step_path_never_pins_nor_blocks(monkeypatch):
+    """Two steps of the worker side (a 70-token prefill over pages out of order, then a one-token
+    decode step) under the fake asynchronous device: the output equals full attention, every pool
+    <-> device copy went through the medium's asynchronous copy, and nothing pinned memory,
+    gathered on the host or copied device-to-host blocking."""
+    from kvstack.streaming.layout import ReqStep, StreamingMetadata
+
+    def forbidden(what):
+        def fail(*a, **kw):
+            raise AssertionError(f"{what} on the connector's per-step path")
+        return fail
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", forbidden("pin_memory()"))
+    monkeypatch.setattr(torch.Tensor, "cpu", forbidden("a blocking device-to-host copy (.cpu())"))
+    monkeypatch.setattr(HostStore, "read", forbidden("a host-side gather (HostStore.read)"))
+    monkeypatch.setattr(HostStore, "write", forbidden("a blocking write (HostStore.write)"))
+    m = DeferredMedium()
+    ws, t = _worker(m)
+    torch.manual_seed(1)
+    total = 71
+    q, k, v = torch.randn(total, 4, 32), torch.randn(total, 2, 32), torch.randn(total, 2, 32)
+    layer = SimpleNamespace(layer_name="L", impl=SimpleNamespace(scale=0.3))
+    pages = [9, 10, 11, 3, 4, 5, 6, 20, 21]  # runs of consecutive pages, out of order
+    outs = []
+    for start, n, new_pages, known in ((0, 70, pages, 0), (70, 1, [], 9)):
+        ws.begin_step(StreamingMetadata(reqs=[ReqStep("r", start, n, anchor_slot=1000 + start,
+                                                      new_pages=new_pages, known_pages=known)]))
+        md = SimpleNamespace(query_start_loc=torch.tensor([0, n]),
+                             slot_mapping=torch.arange(1000 + start, 1000 + start + n))
+        out = torch.empty(n, 4, 32)
+        ws.attention(layer, q[start:start + n], k[start:start + n], v[start:start + n], out, md)
+        ws.end_step()
+        outs.append(out)
+    got = torch.cat(outs)
+    want = torch.cat([reference(q[:70], k[:70], v[:70], 0.3, 0),
+                      reference(q[70:], k, v, 0.3, 70)])
+    torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=2e-5)
+    # step 1 wrote 70 tokens in 3 slot runs (pages 9-11, 3-6, 20-21: 24 + 32 + 14 tokens; K and V);
+    # step 2 loaded 70 tokens in windows of 16 (5 windows, page runs) and wrote 1 token
+    assert t.windows_loaded == 5 and m.issued == t.copies > 0
+    m.sync_writes()
+    assert m.landed == m.issued  # every copy was asynchronous and is done once synced
