@@ -25,17 +25,7 @@ from kvstack.streaming.host_tier import HostStore, PagePool  # noqa: E402
 from kvstack.streaming.transfer import (  # noqa: E402
     Medium, PagedHistory, Transfer, page_runs, slot_runs)
 from kvstack.streaming.windowed import windowed_attention  # noqa: E402
-
-
-def reference(q, k, v, scale, ctx):
-    """Softmax attention of q (positions ctx..) over all of k/v, causal, in float64."""
-    T, Hq, _ = q.shape
-    S, Hkv, _ = k.shape
-    kk = k.double().repeat_interleave(Hq // Hkv, dim=1)
-    vv = v.double().repeat_interleave(Hq // Hkv, dim=1)
-    s = torch.einsum("thd,shd->hts", q.double(), kk) * scale
-    mask = torch.arange(S)[None, :] > (torch.arange(T)[:, None] + ctx)
-    return torch.einsum("hts,shd->thd", s.masked_fill(mask, float("-inf")).softmax(-1), vv)
+from test_windowed import reference  # noqa: E402  (full causal attention in float64)
 
 
 class _Event:
