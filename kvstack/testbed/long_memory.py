@@ -19,8 +19,7 @@ From the shell (docs/hybrid-lmcache-usage.md's example): OUT/NAME, then OUT/NAME
     python -m kvstack.testbed.long_memory --out build/tiny-models qwen3next [granite4]
 
 Used by the demo (it must run from an installed kvstack), the family table, bench/hybrid_repeat.py
-and the tests (through
-tests/env/lmcache/hybrid_models.py). A copy is kept while its recipe and the source model's stamp
+and the tests (through tests/env/lmcache/hybrid_models.py). A copy is kept while its recipe and the source model's stamp
 are the same, and writers running at once do not collide.
 """
 
@@ -29,8 +28,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
