@@ -742,11 +742,11 @@ def cmd_pack(args) -> int:
 
 # ----------------------------------------------------------------------------- plan
 
-# Device seconds of each part of a session, from the H200 run of 2026-11-26 (ci/gpu/README.md):
-# a fresh machine's start, one unpack call, then the last call's steps (the floor bench as one
-# step was not timed there: its 128K + 1M contiguous figures, an estimate).
-PLAN_SECONDS = {"start": 60, "unpack": 5, "floor bench": 120, "install": 50, "check_layout": 75,
-                "check_streaming": 190}
+# Device seconds of each part of a session, from the H200 run of 2026-11-27 (ci/gpu/README.md): a
+# fresh machine's start with the first unpack call (30 s held), one more unpack call (~6 s each,
+# 62 MiB carried), then the last call's steps as first_run.sh timed them (443 s in all).
+PLAN_SECONDS = {"start": 30, "unpack": 6, "floor bench": 33, "install": 70, "check_layout": 141,
+                "check_streaming": 201}
 PLAN_TARGET_S = 600  # the last call must fit one `run` call; the session's budget is 900 s
 ASSUMED_FOLDERS = 6  # the pack of 2026-11-26 (base 0.25), when none is packed here
 

@@ -28,9 +28,11 @@ set -u
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 root=$(cd "$here/../.." && pwd)
 out=${OUT:-$root/build/gpu-first-run}
-bench_s=150
-layout_s=150
-streaming_s=240
+# limits from the H200 run of 2026-11-27 (bench 33 s, install 68 s, check_layout 141 s,
+# check_streaming 201 s), with room: 60 + ~70 + 180 + 270 s fit one 600 s call
+bench_s=60
+layout_s=180
+streaming_s=270
 run_bench=1
 run_checks=1
 dry_run=0
