@@ -14,6 +14,11 @@ Keys of ``kv_connector_extra_config`` (all optional):
 - ``device_window_tokens`` (default 1): the sliding window the device KV cache of a streaming layer
   is bounded to. The connector never reads it back (attention runs over the host tier), so the
   minimum is enough; the device then holds only the blocks of the current step.
+- ``device_scratch_mib`` (default: estimated): device memory the windowed path may allocate
+  after vLLM has profiled memory (two staging buffers of a window, the attention temporaries of
+  one window at ``max_num_batched_tokens``; scratch.py). On a GPU, kvstack's gpu_worker patch takes
+  it out of the KV cache memory before the cache is allocated and logs it. A value below the
+  staging buffers is refused at start-up.
 - ``page_tokens`` (default 32): host-tier page size in tokens (the unit of allocation and reuse).
 - ``host_tier_gib`` (default 1.0): host-tier capacity.
 - ``host_tier_path``: a file to back the host tier (memory-mapped) for more than RAM.
@@ -79,6 +84,7 @@ class StreamingConfig:
     wait_timeout_s: float | None = None  # "wait": fail a request after waiting this long
     cpu_native_attention: bool = True
     decode_reserve_tokens: int | None = 256  # None: "max" (prompt + max_tokens)
+    device_scratch_mib: float | None = None  # None: scratch.plan's estimate
     # the shared tier: LMCache config (sorted items; `lmcache_config` gives the dict), or None
     lmcache: tuple[tuple[str, Any], ...] | None = None
     # next to other connectors under MultiConnector's joint prefix hits (set by MultiConnector)
@@ -111,6 +117,7 @@ class StreamingConfig:
             cpu_native_attention=bool(extra.get("cpu_native_attention", True)),
             decode_reserve_tokens=_reserve(extra.get("decode_reserve_tokens",
                                                      cls.decode_reserve_tokens)),
+            device_scratch_mib=_mib(extra.get("device_scratch_mib")),
             lmcache=_lmcache(extra.get("lmcache")),
             joint_hits=bool(extra.get("kv_joint_hits", False)),
         )
@@ -153,6 +160,19 @@ def _seconds(value: Any) -> float | None:
         raise ValueError("kvstack streaming: wait_timeout_s must be a positive number of seconds "
                          f"(or unset: no limit), not {value!r}")
     return t
+
+
+def _mib(value: Any) -> float | None:
+    if value is None:
+        return None
+    try:
+        m = float(value)
+    except (TypeError, ValueError):
+        m = -1.0
+    if not m > 0:
+        raise ValueError("kvstack streaming: device_scratch_mib must be a positive number of MiB "
+                         f"(or unset: estimated), not {value!r}")
+    return m
 
 
 def _reserve(value: Any) -> int | None:

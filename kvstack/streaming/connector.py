@@ -43,6 +43,7 @@ from .config import StreamingConfig, selects_layer
 from .layout import ReqStep, StreamingMetadata, _Layout, _layout  # noqa: F401 (re-exported)
 from .metrics import StatsReporter, StreamingConnectorStats, StreamingPromMetrics
 from .scheduler_side import _SchedulerSide
+from .scratch import plan_for
 from .validate import check_device_budget, check_engine, check_layers
 from .worker_side import _WorkerSide
 
@@ -74,6 +75,13 @@ class StreamingConnector(KVConnectorBase_V1, SupportsHMA):
         still unsafe)."""
         return True
 
+    @classmethod
+    def get_device_scratch_bytes(cls, vllm_config: "VllmConfig") -> int:
+        """Device memory the windowed path allocates after vLLM's memory profiling (staging
+        buffers, attention temporaries; scratch.py), which kvstack's gpu_worker patch takes out
+        of the KV cache memory before the cache is allocated."""
+        return plan_for(vllm_config).total
+
     # ---- construction ----------------------------------------------------------------------
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
                  kv_cache_config: "KVCacheConfig"):
@@ -96,7 +104,8 @@ class StreamingConnector(KVConnectorBase_V1, SupportsHMA):
         # its attention layers before the engine serves, then pick the path from their backend
         # and open the host tier (worker_side.prepare).
         check_layers(self._vllm_config, self.layout, self.cfg)
-        self._worker.prepare(self._vllm_config)
+        device = next((t.device for t in kv_caches.values() if isinstance(t, torch.Tensor)), None)
+        self._worker.prepare(self._vllm_config, device)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         # The step starts when its metadata is bound, before the forward, on every vLLM:

@@ -21,7 +21,7 @@ Imports only torch: the floor bench and the GPU checks can use it on a bare mach
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import torch
 
@@ -149,6 +149,11 @@ class CudaMedium(Medium):
             self._written = None
 
 
+def staging_tokens(window: int, page: int) -> int:
+    """Tokens of one staging buffer: a window's pages, one more when it starts inside a page."""
+    return (-(-window // page) + 1) * page
+
+
 class Transfer:
     """The copies of one device: two staging buffers per (K/V shape, dtype), reused across layers,
     requests and steps, each freed by an event when the compute stream is done with it."""
@@ -175,6 +180,12 @@ class Transfer:
             self._consumed[key] = [None, None]
         return key, bufs
 
+    def reserve(self, pool: torch.Tensor, window: int) -> int:
+        """Allocate the two staging buffers of `pool`'s shape for `window` now (start-up, so that
+        they are in place before the first step); their bytes."""
+        _, bufs = self._buffers(pool, staging_tokens(window, pool.shape[1]))
+        return sum(t.numel() * t.element_size() for pair in bufs for t in pair)
+
     def windows(self, k_pool: torch.Tensor, v_pool: torch.Tensor, pages: list[int], ctx: int,
                 window: int) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
         """(start, K, V) of each window [start, min(start + window, ctx)) of a request's history
@@ -183,9 +194,7 @@ class Transfer:
         compute stream) when it asks for the next one."""
         if ctx <= 0:
             return
-        P = k_pool.shape[1]
-        # tokens a window's pages can cover: one more page when a window starts inside a page
-        key, bufs = self._buffers(k_pool, (-(-window // P) + 1) * P)
+        key, bufs = self._buffers(k_pool, staging_tokens(window, k_pool.shape[1]))
         consumed = self._consumed[key]
         starts = list(range(0, ctx, window))
         pending = self._load(k_pool, v_pool, pages, starts[0], min(window, ctx), bufs[0], key, 0)
@@ -257,15 +266,18 @@ class PagedHistory:
         return self.transfer.windows(self.k_pool, self.v_pool, self.pages, ctx, window)
 
 
-def transfers() -> Callable[[torch.device], Transfer]:
-    """A Transfer per device, made on first use."""
-    made: dict[torch.device, Transfer] = {}
+class Transfers:
+    """A Transfer per device, made on first use (`made`: those made so far)."""
 
-    def get(device: torch.device) -> Transfer:
-        t = made.get(device)
+    def __init__(self):
+        self.made: dict[torch.device, Transfer] = {}
+
+    def __call__(self, device: torch.device) -> Transfer:
+        t = self.made.get(device)
         if t is None:
-            t = made[device] = Transfer(Medium.for_device(device))
+            t = self.made[device] = Transfer(Medium.for_device(device))
         return t
 
-    get.made = made
-    return get
+
+def transfers() -> Transfers:
+    return Transfers()

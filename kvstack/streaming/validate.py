@@ -223,6 +223,10 @@ def engine_problems(vllm_config: "VllmConfig") -> list[str]:
         problems.append("the attention + quantization fusion pass (pass_config.fuse_attn_quant) "
                         "gives attention a quantized output, which the windowed path does not "
                         "produce; turn the pass off")
+    if model is not None:
+        from .scratch import problems as scratch_problems
+
+        problems.extend(scratch_problems(vllm_config))
     mode = comp.cudagraph_mode
     if mode is not None:
         if mode.has_full_cudagraphs():

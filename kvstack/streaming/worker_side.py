@@ -6,9 +6,13 @@ stream (transfer.py: no host gather, no per-call pinning, no blocking device-to-
 
 from __future__ import annotations
 
+import logging
+import os
+import sys
+
 import torch
 
-from . import cpu_native
+from . import cpu_native, scratch
 from .config import StreamingConfig
 from .compat import cpu_attn_isa
 from .host_tier import HostStore
@@ -16,6 +20,11 @@ from .layout import PageTables, ReqStep, StreamingMetadata, _Layout
 from .shared_tier import SharedTier, open_for_engine, predict_store_tag, store_tag
 from .transfer import PagedHistory, transfers
 from .windowed import Features, windowed_attention
+
+logger = logging.getLogger("kvstack.streaming")
+# set by ci/gpu/check_scratch.py: measure what the windowed path allocates on a GPU, per layer
+# call, beyond what was allocated before it (torch's allocator statistics), against the plan
+SCRATCH_PROBE_ENV = "KVSTACK_STREAMING_SCRATCH_PROBE"
 
 
 class _WorkerSide:
@@ -35,11 +44,16 @@ class _WorkerSide:
         self.shared: SharedTier | None = None  # the shared tier (LMCache's storage), if any
         self._saves: list[tuple[int, bytes]] = []  # this step's full prompt pages to store
         self.transfer = transfers()  # the windowed path's copies, one Transfer per device
+        self.scratch: scratch.ScratchPlan | None = None  # what was reserved for the device scratch
+        self._probe: torch.device | None = None  # the scratch probe's device (SCRATCH_PROBE_ENV)
+        self._probe_peak = 0
 
-    def prepare(self, vllm_config) -> None:
+    def prepare(self, vllm_config, device: torch.device | None = None) -> None:
         """Start-up, once the model is loaded: pick the path from the layers' backend, open the
         host store in its layout, and read the features (soft-cap, ALiBi slopes, sinks) the
-        windowed path must apply."""
+        windowed path must apply. On a GPU (`device`, the KV cache's), allocate the staging
+        buffers now, inside the device scratch that kvstack's gpu_worker patch took out of the KV
+        cache memory (scratch.py)."""
         ctx = vllm_config.compilation_config.static_forward_context
         layers = [ctx[name] for name in self.layout.layers]
         self.in_place = self.cfg.cpu_native_attention and all(
@@ -54,6 +68,8 @@ class _WorkerSide:
             if not feat.plain:
                 self._features[layer.layer_name] = feat
         self._open_store()
+        if device is not None and device.type != "cpu" and not self.in_place:
+            self._reserve_scratch(vllm_config, device)
         if self.cfg.lmcache is not None:
             # the shared tier's objects are pages in the host store's layout: the scheduler keys
             # its lookups with the layout predicted from the configuration, so it must be this one
@@ -65,6 +81,39 @@ class _WorkerSide:
                     f"engine's pages: the host store's layout is {tag!r}, predicted {predicted!r} "
                     "from the configuration; set cpu_native_attention: false (token layout)")
             self.shared = open_for_engine(self.cfg, self.layout, vllm_config, tag)
+
+    def _reserve_scratch(self, vllm_config, device: torch.device) -> None:
+        plan = self.scratch = scratch.plan_for(vllm_config)
+        first = self.layout.layers[0]
+        staged = self.transfer(device).reserve(self.store.k[first], self.cfg.window_tokens)
+        if staged != plan.staging:  # the plan and transfer.py disagree: a bug of ours, say so
+            logger.warning("kvstack streaming: staging buffers of %d bytes, planned %d", staged,
+                           plan.staging)
+        scored = sorted(n for n, f in self._features.items() if not f.plain_scores)
+        if scored and not plan.reference:
+            logger.warning(
+                "kvstack streaming: layers %s change the scores (soft-cap, ALiBi) and take the "
+                "float32 reference path, whose scores the device scratch (%s) does not count; "
+                "set device_scratch_mib", scored, plan.describe())
+        if plan.configured is not None and plan.configured < plan.estimate:
+            logger.warning("kvstack streaming: device_scratch_mib is below the estimate: %s",
+                           plan.describe())
+        if os.environ.get(SCRATCH_PROBE_ENV) == "1" and device.type == "cuda":
+            self._probe = device
+
+    def _probe_begin(self) -> int:
+        torch.cuda.reset_peak_memory_stats(self._probe)
+        return torch.cuda.memory_allocated(self._probe)
+
+    def _probe_end(self, base: int, tokens: int) -> None:
+        peak = torch.cuda.max_memory_allocated(self._probe) - base
+        if peak > self._probe_peak:
+            self._probe_peak = peak
+            plan = self.scratch
+            print(f"kvstack scratch probe: peak {peak} bytes beyond the layer call's start "
+                  f"({tokens} query tokens); planned attention {plan.attention + plan.reference}, "
+                  f"staging {plan.staging} allocated at start-up, reserved {plan.total}",
+                  file=sys.stderr, flush=True)
 
     def _open_store(self) -> None:
         # the sink pages after the page table: where a request that could not grow writes its
@@ -163,11 +212,14 @@ class _WorkerSide:
             window = self.cfg.window_tokens
             transfer = self.transfer(query.device)
             kp, vp = self.store.k[name], self.store.v[name]
+            base = self._probe_begin() if self._probe is not None else 0
             for a, b, r in batch.segments:
                 windowed_attention(query[a:b], key[a:b], value[a:b],
                                    PagedHistory(transfer, kp, vp, r.pages), r.start, window,
                                    scale, out=output[a:b], features=features)
                 transfer.write_back(kp, vp, r.pages, r.start, key[a:b], value[a:b])
+            if self._probe is not None:
+                self._probe_end(base, batch.num_tokens)
         if batch.num_tokens < output.shape[0]:
             output[batch.num_tokens:].zero_()
         return output
