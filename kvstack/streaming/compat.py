@@ -40,3 +40,39 @@ def _parameters(fn: Any) -> frozenset[str]:  # once per function: called every s
         return frozenset(inspect.signature(fn).parameters)
     except (TypeError, ValueError):
         return frozenset()
+
+
+def align_cpu_attention_isa(vllm_config: Any, layers: dict[str, Any]) -> list[str]:
+    """Re-pick the ISA of vLLM's CPU attention for the block size in effect; the layers changed.
+
+    - vLLM 0.25.1: the impl picks its ISA at construction, from ``cache_config.block_size`` (AMX
+      needs a multiple of 32), and the hybrid KV cache manager may lower the block size afterwards:
+      with a streaming layer's one-token window next to sliding-window layers (tiny Gemma-3,
+      block size 32 asked for) the KV cache got 16-token blocks, the impls kept "amx", and the AMX
+      kernel failed its block-size check at the first step on AMX CPUs. The KV cache is allocated
+      but not yet written here, so the ISA (and the cache layout its kernels write) can still
+      change; the metadata builders read the block size in effect.
+    - vLLM 0.32.0: the builder sets ``layer.isa`` per KV cache group from the group's block size
+      (no ``impl.isa``): nothing to do.
+    """
+    try:
+        from vllm.v1.attention.backends import cpu_attn
+    except ImportError:
+        return []
+    pick = getattr(cpu_attn, "_get_attn_isa", None)
+    if pick is None:
+        return []
+    block = vllm_config.cache_config.block_size
+    dtype = vllm_config.model_config.dtype
+    changed = []
+    for name, layer in layers.items():
+        impl = getattr(layer, "impl", None)
+        isa = getattr(impl, "isa", None)
+        if isa is None or type(impl).__module__ != cpu_attn.__name__:
+            continue
+        want = pick(dtype, block, getattr(impl, "head_size", None),
+                    getattr(impl, "kv_cache_dtype", None))
+        if want != isa:
+            impl.isa = want
+            changed.append(name)
+    return changed

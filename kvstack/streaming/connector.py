@@ -28,6 +28,7 @@ Usage: ``kv_transfer_config={"kv_connector": "StreamingConnector", "kv_role": "k
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -39,6 +40,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
+from .compat import align_cpu_attention_isa
 from .config import StreamingConfig, selects_layer
 from .layout import ReqStep, StreamingMetadata, _Layout, _layout  # noqa: F401 (re-exported)
 from .metrics import StatsReporter, StreamingConnectorStats, StreamingPromMetrics
@@ -46,6 +48,8 @@ from .scheduler_side import _SchedulerSide
 from .scratch import plan_for
 from .validate import check_device_budget, check_engine, check_layers
 from .worker_side import _WorkerSide
+
+logger = logging.getLogger("kvstack.streaming")
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -103,6 +107,12 @@ class StreamingConnector(KVConnectorBase_V1, SupportsHMA):
         # The device KV of streaming layers is never read back. The model is loaded now: check
         # its attention layers before the engine serves, then pick the path from their backend
         # and open the host tier (worker_side.prepare).
+        changed = align_cpu_attention_isa(
+            self._vllm_config, self._vllm_config.compilation_config.static_forward_context)
+        if changed:
+            logger.warning("kvstack streaming: vLLM's CPU attention ISA re-picked for the KV cache's "
+                           "%d-token blocks in %d layer(s) (its AMX kernel needs 32-token blocks)",
+                           self._vllm_config.cache_config.block_size, len(changed))
         check_layers(self._vllm_config, self.layout, self.cfg)
         device = next((t.device for t in kv_caches.values() if isinstance(t, torch.Tensor)), None)
         self._worker.prepare(self._vllm_config, device)
