@@ -149,30 +149,27 @@ def _lmcache(value: Any) -> tuple[tuple[str, Any], ...] | None:
     return tuple(sorted(checked.items())) if checked is not None else None
 
 
-def _seconds(value: Any) -> float | None:
+def _positive(value: Any, message: str) -> float | None:
+    """None for None, else a positive float; `message` (with the value appended) otherwise."""
     if value is None:
         return None
     try:
-        t = float(value)
+        x = float(value)
     except (TypeError, ValueError):
-        t = -1.0
-    if not t > 0:
-        raise ValueError("kvstack streaming: wait_timeout_s must be a positive number of seconds "
-                         f"(or unset: no limit), not {value!r}")
-    return t
+        x = -1.0
+    if not x > 0:
+        raise ValueError(f"kvstack streaming: {message}, not {value!r}")
+    return x
+
+
+def _seconds(value: Any) -> float | None:
+    return _positive(value, "wait_timeout_s must be a positive number of seconds (or unset: no "
+                            "limit)")
 
 
 def _mib(value: Any) -> float | None:
-    if value is None:
-        return None
-    try:
-        m = float(value)
-    except (TypeError, ValueError):
-        m = -1.0
-    if not m > 0:
-        raise ValueError("kvstack streaming: device_scratch_mib must be a positive number of MiB "
-                         f"(or unset: estimated), not {value!r}")
-    return m
+    return _positive(value, "device_scratch_mib must be a positive number of MiB (or unset: "
+                            "estimated)")
 
 
 def _reserve(value: Any) -> int | None:
