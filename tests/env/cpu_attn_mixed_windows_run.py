@@ -1,0 +1,44 @@
+"""One fresh CPU engine running tiny gpt-oss (a sliding-window and a full-attention layer, both
+with sinks; bf16, block size 32) on vLLM's non-AMX CPU attention kernel (the "vec" ISA: AMX is
+hidden from vLLM's ISA choice, so an AMX host runs what every CPU without AMX runs); the prompt
+three times with the prefix cache off. Prints "RUNS [[...], [...], [...]]".
+
+--hma off: the hybrid KV cache manager off (both layers in one KV cache group with mixed windows,
+as vLLM runs the model with LMCacheConnectorV1). --split-mixed: the negative control, kvstack's
+cpu_attn patch undone (the group's KV split kept on). Used by test_cpu_attn_mixed_windows.py."""
+
+import argparse
+import json
+import os
+import sys
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--model-dir", required=True)
+ap.add_argument("--hma", choices=["on", "off"], required=True)
+ap.add_argument("--split-mixed", action="store_true")
+args = ap.parse_args()
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process
+import torch  # noqa: E402
+
+torch.cpu._is_amx_tile_supported = lambda: False  # vLLM's CPU attention takes the "vec" kernel
+from vllm import LLM, SamplingParams  # noqa: E402
+
+from kvstack.testbed import tiny_models  # noqa: E402
+
+if args.split_mixed:
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadataBuilder
+
+    CPUAttentionMetadataBuilder._mixed_windows = lambda self: False
+tiny_models.apply_engine_env()
+llm = LLM(**tiny_models.llm_kwargs("gpt_oss", args.model_dir, max_num_batched_tokens=64,
+                                   enable_prefix_caching=False,
+                                   disable_hybrid_kv_cache_manager=args.hma == "off"))
+prompt = [(i * 53) % 900 + 3 for i in range(200)]
+runs = []
+for _ in range(3):
+    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=8, temperature=0),
+                       use_tqdm=False)
+    runs.append(list(out[0].outputs[0].token_ids))
+print("RUNS " + json.dumps(runs), flush=True)
+sys.stdout.flush()
+os._exit(0)

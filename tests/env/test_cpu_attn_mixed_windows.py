@@ -1,0 +1,65 @@
+"""Sliding-window and full layers in one KV cache group give the same tokens every time on CPUs
+without AMX (kvstack's vLLM patch "cpu_attn: a KV cache group with mixed sliding windows attends
+without splitting the KV", 0.32 0013; issue 27).
+
+With the hybrid KV cache manager off (vLLM turns it off for LMCacheConnectorV1), gpt-oss keeps its
+sliding-window and full-attention layers in one group; vLLM 0.32.0's CPU attention built that
+group's split-KV schedule without a window while each layer attended with its own, and read
+splits the window left unwritten: on the non-AMX kernel the decode tokens changed from run to run.
+Each case is a fresh process (tests/env/cpu_attn_mixed_windows_run.py) on the non-AMX kernel
+whatever the host has. The reference is the same model with the hybrid manager on (one group per
+window); the control undoes the patch and must give other tokens in at least one of its three
+runs, or the first case could not fail. Default base only (the patch is base 0.32's: vLLM 0.25.1
+cannot run such a model with the hybrid manager off at all)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvtest import on_default_base
+
+pytest.importorskip("vllm")
+
+from kvstack.testbed import tiny_models  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+pytestmark = [pytest.mark.env,
+              pytest.mark.skipif(not on_default_base(), reason="default base only (base 0.32's patch)")]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return tiny_models.make_model("gpt_oss", tmp_path_factory.mktemp("mixed") / "gpt_oss")
+
+
+def _runs(model, *extra) -> list[list[int]]:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    res = subprocess.run([sys.executable, str(HERE / "cpu_attn_mixed_windows_run.py"),
+                          "--model-dir", str(model), *extra], capture_output=True, text=True,
+                         env=env, timeout=600)
+    assert res.returncode == 0, (res.returncode, res.stderr[-3000:])
+    line = [ln for ln in res.stdout.splitlines() if ln.startswith("RUNS ")]
+    assert line, res.stdout[-2000:]
+    return json.loads(line[-1][5:])
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    runs = _runs(model, "--hma", "on")
+    assert runs[0] == runs[1] == runs[2], runs
+    return runs[0]
+
+
+def test_one_group_gives_the_tokens_of_one_group_per_window(model, reference):
+    assert _runs(model, "--hma", "off") == [reference] * 3
+
+
+def test_control_the_split_kept_changes_the_tokens(model, reference):
+    runs = _runs(model, "--hma", "off", "--split-mixed")
+    assert any(r != reference for r in runs), runs
