@@ -6,13 +6,16 @@ and a repeat hits the cache at least as much. Each cell runs one tiny model of t
 on two sides:
 
 - ``stock``: the installed vLLM with kvstack's vLLM series taken out again (kvstack.release.overlay,
-  reversed), but for the fixes stock needs to start on the CPU engine at all (CPU_ENGINE_FIXES).
+  reversed), but for the fixes of vLLM's CPU engine that stock needs to start there at all or to
+  give the same tokens twice (CPU_ENGINE_FIXES).
   LMCache keeps kvstack's CPU path (stock LMCache has none on the CPU engine).
 - ``kvstack``: the installed, patched vLLM.
 
 Connectors: ``none`` (vLLM's defaults, its own prefix cache on), ``lmcache`` (LMCacheConnectorV1,
-local CPU tier, vLLM's prefix cache off so a repeat's hit is LMCache's), ``streaming`` (kvstack's
-StreamingConnector on one full-attention layer) and ``multi`` (MultiConnector: Streaming +
+local CPU tier, vLLM's prefix cache off so a repeat's hit is LMCache's), ``mp`` (LMCacheMPConnector
+with an LMCache MP server on 127.0.0.1 per side and chunk size, ``Family.mp_chunk``; the
+Mamba-style hybrids in vLLM's "align" mode with a longer prompt, vLLM's prefix cache reset before
+each run), ``streaming`` (kvstack's StreamingConnector on one full-attention layer) and ``multi`` (MultiConnector: Streaming +
 LMCache). Stock has no StreamingConnector: those cells compare kvstack's tokens with stock's
 ``none`` tokens (the output a user gets without the feature).
 
@@ -31,6 +34,9 @@ A cell's verdict (``verdict``):
   tokens of stock's ``none`` (a full prefill);
 - ``refused by design``: a kvstack-only connector refuses the configuration at start-up with its
   reason (stock cannot run it at all);
+- ``fails on stock too``: both engines start and fail the first request with the same error (vLLM
+  0.32's CPU Mamba2 path in the "align" mode the MP connector needs): not a regression of kvstack's,
+  shown with the error so that it is not mistaken for a pass;
 - ``FAIL``: anything else, above all stock serves and kvstack refuses or differs, or kvstack fails
   after start-up or its engine process dies (never a refusal).
 
@@ -44,12 +50,14 @@ the driver starts a new one for the cells left), and prints a JSON line per cell
 from __future__ import annotations
 
 import argparse
+import contextlib
 import re
 import json
 import os
 import subprocess
 import sys
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,10 +65,15 @@ REPO = Path(__file__).resolve().parents[2]
 OUT_DIR = REPO / "build" / "family-table"
 DOC = REPO / "docs" / "family-table.md"
 
-# Kept in "stock": a fix without which stock vLLM 0.32 cannot start any model on the CPU engine
-# once LMCache is imported (the CPU platform's Triton kernel-override scan calls vars() on numba's
-# llvmlite library object); the scan is CPU-only, so a GPU user of stock never meets it.
-CPU_ENGINE_FIXES = ("triton_utils-kernel-override-scan",)
+# Kept in "stock": fixes of vLLM's CPU engine only, which a GPU user of stock never meets:
+# - without the first, stock vLLM 0.32 cannot start any model on the CPU engine once LMCache is
+#   imported (the CPU platform's Triton kernel-override scan calls vars() on numba's llvmlite
+#   library object);
+# - without the second, stock's CPU attention gives tokens that change from run to run for a model
+#   with sliding-window and full layers in one KV cache group (the hybrid manager off, as vLLM
+#   turns it off for LMCacheConnectorV1: gpt-oss) on CPUs without AMX, so no comparison with
+#   stock could hold there.
+CPU_ENGINE_FIXES = ("triton_utils-kernel-override-scan", "cpu_attn-a-KV-cache-group-with-mixed")
 
 
 @dataclass(frozen=True)
@@ -72,6 +85,9 @@ class Family:
     # a Mamba-style hybrid: the tiny model gets a long-memory recurrent state
     # (kvstack.testbed.long_memory), and its LMCache cells a zeroed-state control run
     long_memory: bool = False
+    # the LMCache MP server's chunk for this model's "mp" cell: LMCache's MP connector needs a
+    # multiple of vLLM's block size (the hybrids' attention blocks, MLA's 128 on AMX hosts)
+    mp_chunk: int = 32
 
 
 FAMILIES = (
@@ -83,29 +99,45 @@ FAMILIES = (
     Family("sliding window 5:1 (Gemma-3)", "gemma3", r"layers\.5\."),
     Family("chunked local + MoE (Llama-4)", "llama4", r"layers\.3\.",
            (("VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE", "1"),)),
-    Family("MLA (DeepSeek-V2)", "deepseek_v2", r"layers\.1\."),
-    Family("GDN hybrid + MoE (Qwen3-Next)", "qwen3next", r"layers\.3\.", long_memory=True),
-    Family("Mamba2 hybrid + MoE (Granite-4)", "granite4", r"layers\.3\.", long_memory=True),
+    # sliding window + full attention, both with sinks; the full layer is the one streamed
+    Family("sliding window + sinks, MoE (gpt-oss)", "gpt_oss", r"layers\.1\."),
+    Family("MLA (DeepSeek-V2)", "deepseek_v2", r"layers\.1\.", mp_chunk=128),
+    Family("GDN hybrid + MoE (Qwen3-Next)", "qwen3next", r"layers\.3\.", long_memory=True,
+           mp_chunk=384),
+    Family("Mamba2 hybrid + MoE (Granite-4)", "granite4", r"layers\.3\.", long_memory=True,
+           mp_chunk=128),
 )
-CONNECTORS = ("none", "lmcache", "streaming", "multi")
-STOCK_CONNECTORS = ("none", "lmcache")  # stock vLLM has no StreamingConnector
+CONNECTORS = ("none", "lmcache", "mp", "streaming", "multi")
+STOCK_CONNECTORS = ("none", "lmcache", "mp")  # stock vLLM has no StreamingConnector
 CHUNK = 32  # LMCache chunk and streaming page, tokens
 PROMPT = [(i * 53) % 900 + 3 for i in range(200)]  # 6 whole chunks of 32 + 8 tokens
+# the "mp" cells of the Mamba-style hybrids: vLLM's align mode caches whole attention blocks (a few
+# hundred tokens), so their prompt is longer than one (within the tiny models' 512 positions)
+LONG_PROMPT = [(i * 53) % 900 + 3 for i in range(480)]
 MAX_TOKENS = 8
+MP_PORTS_ENV = "KVSTACK_FAMILY_MP_PORTS"  # {chunk: port} of the side's LMCache MP servers
 LMCACHE_ENV = {"LMCACHE_CHUNK_SIZE": str(CHUNK), "LMCACHE_LOCAL_CPU": "True",
                "LMCACHE_MAX_LOCAL_CPU_SIZE": "0.5", "LMCACHE_DISABLE_BANNER": "1"}
 
-PASS, UPSTREAM, KVSTACK_ONLY, BY_DESIGN, FAIL = (
-    "pass", "refused by upstream", "kvstack only", "refused by design", "FAIL")
+PASS, UPSTREAM, UPSTREAM_FAULT, KVSTACK_ONLY, BY_DESIGN, FAIL = (
+    "pass", "refused by upstream", "fails on stock too", "kvstack only", "refused by design",
+    "FAIL")
 
 
 def family(model: str) -> Family:
     return next(f for f in FAMILIES if f.model == model)
 
 
-def cells(side: str, models: list[str] | None = None) -> list[tuple[str, str]]:
-    """(model, connector) of every cell `side` runs."""
-    conns = STOCK_CONNECTORS if side == "stock" else CONNECTORS
+def prompt(model: str, connector: str) -> list[int]:
+    """The prompt a cell runs (twice, or three times with the control)."""
+    fam = next((f for f in FAMILIES if f.model == model), None)
+    return LONG_PROMPT if connector == "mp" and fam is not None and fam.long_memory else PROMPT
+
+
+def cells(side: str, models: list[str] | None = None, *, mp: bool = True) -> list[tuple[str, str]]:
+    """(model, connector) of every cell `side` runs; without the "mp" column unless `mp` (the
+    test runs it on the default base only: CI time)."""
+    conns = [c for c in (STOCK_CONNECTORS if side == "stock" else CONNECTORS) if mp or c != "mp"]
     return [(f.model, c) for f in FAMILIES if models is None or f.model in models for c in conns]
 
 
@@ -150,6 +182,12 @@ def build_stock_overlay(dest: Path) -> Path:
 
 def kv_transfer(connector: str, fam: Family) -> dict | None:
     lmcache = {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}
+    if connector == "mp":
+        return {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
+                "kv_connector_extra_config": {"lmcache.mp.host": "tcp://127.0.0.1",
+                                              "lmcache.mp.port": json.loads(
+                                                  os.environ[MP_PORTS_ENV])[str(fam.mp_chunk)],
+                                              "lmcache.mp.mq_timeout": 30}}
     streaming = {"kv_connector": "StreamingConnector", "kv_role": "kv_both",
                  "kv_connector_module_path": "kvstack.streaming",
                  "kv_connector_extra_config": {"streaming_layers": [fam.streaming_layers],
@@ -168,10 +206,16 @@ def _run_cell(model: str, connector: str, models_dir: Path) -> dict:
     from kvstack.testbed.tiny_models import llm_kwargs
 
     fam = family(model)
-    kw = llm_kwargs(model, models_dir / model, max_num_batched_tokens=64)
+    # LMCache's MP connector serves Mamba-style layers only in vLLM's "align" mode, which needs
+    # vLLM's prefix cache (reset before each run instead, so a hit is LMCache's) and prefill steps
+    # of at least a block (the hybrids' attention blocks are a few hundred tokens)
+    align = connector == "mp" and fam.long_memory
+    kw = llm_kwargs(model, models_dir / model, max_num_batched_tokens=512 if align else 64)
     if connector != "none":
-        kw["enable_prefix_caching"] = False  # a repeat's hit is the connector's
+        kw["enable_prefix_caching"] = align  # off: a repeat's hit is the connector's
         kw["kv_transfer_config"] = KVTransferConfig(**kv_transfer(connector, fam))
+    if align:
+        kw["mamba_cache_mode"] = "align"
     start = time.monotonic()
     try:
         llm = LLM(**kw)
@@ -186,7 +230,9 @@ def _run_cell(model: str, connector: str, models_dir: Path) -> dict:
     for run in range(3 if control else 2):  # the third: the repeat again, restored states zeroed
         if zero is not None:
             zero[0] = run == 2
-        out = llm.generate([{"prompt_token_ids": PROMPT}], sp, use_tqdm=False)[0]
+        if align:
+            _reset_prefix_cache(llm)
+        out = llm.generate([{"prompt_token_ids": prompt(model, connector)}], sp, use_tqdm=False)[0]
         tokens.append(list(out.outputs[0].token_ids))
         cached.append(int(out.num_cached_tokens or 0))
     if zero is not None:
@@ -214,6 +260,27 @@ def _run_cell(model: str, connector: str, models_dir: Path) -> dict:
     return res
 
 
+def _reset_prefix_cache(llm) -> None:
+    """Reset vLLM's own prefix cache (so a repeat's hit is the connector's). An asynchronous store
+    keeps a finished request's blocks until the scheduler's next step takes the worker's report
+    in, and reset_prefix_cache refuses until then: engine steps with no request let it."""
+    for _ in range(50):
+        if llm.reset_prefix_cache():
+            return
+        llm.llm_engine.step()
+        time.sleep(0.1)
+    raise RuntimeError("vLLM's prefix cache could not be reset (blocks still held)")
+
+
+def mp_server_cmd(port: int, chunk: int) -> list[str]:
+    """LMCache's multi-process server on 127.0.0.1 (docs/hybrid-lmcache.md's command): `auto`
+    lets a CPU worker take the engine-driven transfer; no observability port on 0.0.0.0."""
+    return [sys.executable, "-m", "lmcache.v1.multiprocess.server", "--host", "127.0.0.1",
+            "--port", str(port), "--chunk-size", str(chunk), "--l1-size-gb", "1",
+            "--eviction-policy", "LRU", "--supported-transfer-mode", "auto",
+            "--disable-observability"]
+
+
 def runner_main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="family_table run")
     ap.add_argument("--models-dir", type=Path, required=True)
@@ -235,6 +302,7 @@ def runner_main(argv: list[str]) -> int:
         try:
             res = _run_cell(model, connector, args.models_dir)
         except Exception as exc:  # a refusal: say it, then end (the engine may have left state)
+            traceback.print_exc()  # into the side's log (engines.log)
             msg = f"{type(exc).__name__}: {exc}".strip()
             print("FAMILY-CELL " + json.dumps({"model": model, "connector": connector,
                                                "served": False, "error": msg[-1500:],
@@ -252,6 +320,25 @@ def run_side(side: str, todo: list[tuple[str, str]], models_dir: Path, *, overla
     env.update({"PYTHONPATH": str(REPO), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
     if overlay_dir is not None:
         env["KVSTACK_OVERLAY"] = str(overlay_dir)
+    with contextlib.ExitStack() as stack:
+        # the "mp" cells' LMCache MP servers, one per chunk size, for this side only
+        chunks = sorted({family(m).mp_chunk for m, c in todo if c == "mp"})
+        ports = {}
+        for chunk in chunks:
+            from kvstack.testbed.backend_servers import free_port, running
+
+            ports[str(chunk)] = port = free_port()
+            stack.enter_context(running(mp_server_cmd(port, chunk), port,
+                                        log.with_name(f"{log.stem}-mp-{side}-{chunk}.log"),
+                                        {**env, "LMCACHE_DISABLE_BANNER": "1",
+                                         "LMCACHE_TRACK_USAGE": "false"},
+                                        timeout=90, what="LMCache MP server"))
+        env[MP_PORTS_ENV] = json.dumps(ports)
+        return _run_cells(todo, models_dir, env, log, timeout)
+
+
+def _run_cells(todo: list[tuple[str, str]], models_dir: Path, env: dict, log: Path,
+               timeout: float) -> dict[tuple[str, str], dict]:
     results: dict[tuple[str, str], dict] = {}
     left = list(todo)
     with open(log, "a") as logf:
@@ -295,11 +382,22 @@ def _why(res: dict) -> str:
     return text if len(text) <= 160 else text[:157] + "..."
 
 
+def _numbers_out(text: str) -> str:
+    return re.sub(r"\d+", "N", text)
+
+
 def verdict(model: str, connector: str, stock: dict[tuple[str, str], dict],
             ours: dict[tuple[str, str], dict]) -> tuple[str, str]:
     """(verdict, detail) of one cell."""
     mine = ours[(model, connector)]
     kvstack_only = connector not in STOCK_CONNECTORS
+    theirs = stock.get((model, connector), {})
+    if (not mine["served"] and mine.get("phase") == "serving" and not theirs.get("served", True)
+            and theirs.get("phase") == "serving"
+            and _numbers_out(theirs.get("error", "")) == _numbers_out(mine.get("error", ""))):
+        # stock's engine fails the same request with the same error (but for the indices, block
+        # ids: they change from run to run): not a regression of ours
+        return UPSTREAM_FAULT, _numbers_out(_why(mine))
     if not mine["served"] and mine.get("phase") != "start-up":  # never a refusal: a fault
         return FAIL, f"kvstack failed while {mine.get('phase')}: " + _why(mine)
     if mine["served"] and needs_control(model, connector):
@@ -314,7 +412,8 @@ def verdict(model: str, connector: str, stock: dict[tuple[str, str], dict],
         none = stock.get((model, "none"))
         # the first run and the repeat (restored from the cache) against stock's full prefill
         if none and none["served"] and mine["tokens"] == [none["tokens"][0]] * 2:
-            return KVSTACK_ONLY, f"repeat {mine['cached'][1]}/{len(PROMPT)} cached" + (
+            n = len(prompt(model, connector))
+            return KVSTACK_ONLY, f"repeat {mine['cached'][1]}/{n} cached" + (
                 CONTROLLED if needs_control(model, connector) else "")
         return FAIL, "stock refused it; kvstack serves other tokens than stock without a connector"
     if not mine["served"]:
@@ -331,7 +430,7 @@ def verdict(model: str, connector: str, stock: dict[tuple[str, str], dict],
     need = 0 if kvstack_only else ref["cached"][1]  # streaming alone reuses no device prefix
     if mine["cached"][1] < need:
         return FAIL, f"the repeat hit {mine['cached'][1]} tokens, stock {ref['cached'][1]}"
-    detail = f"repeat {mine['cached'][1]}/{len(PROMPT)} cached"
+    detail = f"repeat {mine['cached'][1]}/{len(prompt(model, connector))} cached"
     if not kvstack_only:
         detail += f" (stock {ref['cached'][1]})"
     if needs_control(model, connector):
@@ -369,33 +468,36 @@ def host_class() -> str:
 def table(base: str, stock: dict, ours: dict, host: str = "") -> dict:
     """The table of one base as data (what is saved and rendered)."""
     rows = []
+    conns = [c for c in CONNECTORS if any(k[1] == c for k in ours)]  # the columns that ran
     for fam in FAMILIES:
         if not any(m == fam.model for m, _ in ours):
             continue
         row = {"family": fam.name, "model": fam.model, "cells": {}}
-        for c in CONNECTORS:
+        for c in conns:
             v, d = verdict(fam.model, c, stock, ours)
             row["cells"][c] = {"verdict": v, "detail": d}
         rows.append(row)
     # the raw results too (tokens, hits, groups, errors): what a FAIL is read from
-    return {"base": base, "host": host, "rows": rows,
+    return {"base": base, "host": host, "connectors": conns, "rows": rows,
             "runs": {side: [{**r, "model": m, "connector": c} for (m, c), r in sorted(res.items())]
                      for side, res in (("stock", stock), ("kvstack", ours))}}
 
 
-HEADERS = {"none": "no connector", "lmcache": "LMCacheConnectorV1", "streaming": "StreamingConnector",
+HEADERS = {"none": "no connector", "lmcache": "LMCacheConnectorV1",
+           "mp": "LMCacheMPConnector (LMCache MP server)", "streaming": "StreamingConnector",
            "multi": "MultiConnector (Streaming + LMCache)"}
 
 
 def render(tab: dict) -> str:
     """Markdown of one base's table (deterministic: no timings)."""
     host = f", CPU engine, {tab['host']}" if tab.get("host") else ""
+    conns = tab.get("connectors", CONNECTORS)
     out = [f"<!-- family-table base {tab['base']} -->", f"### Base {tab['base']}{host}", "",
-           "| family (tiny model) | " + " | ".join(HEADERS[c] for c in CONNECTORS) + " |",
-           "|---|" + "---|" * len(CONNECTORS)]
+           "| family (tiny model) | " + " | ".join(HEADERS[c] for c in conns) + " |",
+           "|---|" + "---|" * len(conns)]
     for row in tab["rows"]:
         cells = []
-        for c in CONNECTORS:
+        for c in conns:
             cell = row["cells"][c]
             text = f"**{cell['verdict']}**" if cell["verdict"] == FAIL else cell["verdict"]
             cells.append(f"{text}: {cell['detail'].replace('|', '/')}")

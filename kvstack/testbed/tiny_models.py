@@ -221,8 +221,10 @@ MODELS: dict[str, TinyModel] = {
             q_lora_rank=None,  # plain q_proj, as DeepSeek-V2-Lite
             kv_lora_rank=512,  # latent cache 512 + 64 = 576 wide, one "head" per token
             qk_rope_head_dim=64,
-            qk_nope_head_dim=16,
-            v_head_dim=16,
+            # 32, not 16: on an AMX CPU vLLM picks its AMX_MLA backend, whose weight packing
+            # refuses 16 input features ("invalid weight input features 16") at start-up
+            qk_nope_head_dim=32,
+            v_head_dim=32,
             first_k_dense_replace=2,  # every layer dense: no MoE
             n_routed_experts=2,
             n_shared_experts=1,

@@ -57,8 +57,9 @@ WORK_ROOT = REPO_ROOT / "build" / "upstream-tests"  # <base>/ per base
 # The selection: upstream's tests of what each base's series changes. Base 0.25 carries the layout
 # ladder (worker/attention tests) and touches every kv_connector (the ladder's transfer regions);
 # base 0.32's series touches the connector base/multi-connector, the scheduler's failure path,
-# LMCacheConnectorV1 and kv_cache_utils only, and its whole kv_connector/unit folder (2,400 tests,
-# 37 minutes here) would not fit CI's budget, so it runs the files about those.
+# LMCacheConnectorV1, kv_cache_utils and the CPU attention builder only, and its whole
+# kv_connector/unit folder (2,400 tests, 37 minutes here) would not fit CI's budget, so it runs the
+# files about those.
 DEFAULT_PATHS = (
     "tests/v1/core/test_kv_cache_utils.py",
     "tests/v1/kv_connector/unit",
@@ -91,6 +92,9 @@ PATHS_BY_BASE = {
         "tests/v1/kv_connector/unit/test_lmcache_integration.py",
         "tests/v1/kv_connector/unit/test_hma_auto_config.py",
         "tests/v1/kv_connector/unit/test_config.py",
+        # 0013: the CPU attention builder's window and heads per KV cache group
+        "tests/v1/attention/test_group_sliding_window.py",
+        "tests/v1/attention/test_group_head_counts.py",
     ),
 }
 QUICK_PATHS = ("tests/v1/core/test_kv_cache_utils.py",)

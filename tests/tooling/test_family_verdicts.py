@@ -94,3 +94,30 @@ def test_hybrid_lmcache_cells_need_their_zeroed_state_control():
     assert hv([[5, 6, 7], [5, 6, 8], [9, 9, 9]], (0, 192, 192))[0] == ft.FAIL  # the repeat differs
     assert hv(T + [[9, 9, 9]], (0, 0, 0))[0] == ft.FAIL  # nothing restored: no state checked
     assert not ft.needs_control("qwen3next", "streaming") and not ft.needs_control("llama", "lmcache")
+
+
+def test_the_same_failure_on_stock_is_shown_as_such_and_no_other():
+    """Both engines start and fail the first request with the same error: "fails on stock too"
+    (shown with the error); any other failure after start-up stays a FAIL."""
+    boom = refused("serving", "IndexError: index 3 is out of bounds")
+    got = v({"mp": refused("serving", "IndexError: index 7 is out of bounds")}, boom, "mp")
+    assert got == (ft.UPSTREAM_FAULT, "index N is out of bounds")  # indices vary run to run
+    assert v({"mp": served()}, boom, "mp")[0] == ft.FAIL  # stock serves it
+    assert v({"mp": refused("serving", "IndexError: other")}, boom, "mp")[0] == ft.FAIL
+    assert v({"mp": refused()}, boom, "mp")[0] == ft.FAIL  # stock refused at start-up
+    assert v({"mp": boom}, refused("died", boom["error"]), "mp")[0] == ft.FAIL
+
+
+def test_mp_cells_run_on_both_sides_with_a_chunk_of_their_block_size():
+    assert ("llama", "mp") in ft.cells("stock") and ("llama", "mp") in ft.cells("kvstack")
+    assert ft.family("qwen3next").mp_chunk % 32 == 0 and ft.family("llama").mp_chunk == ft.CHUNK
+    assert "--chunk-size" in ft.mp_server_cmd(1, 384) and "384" in ft.mp_server_cmd(1, 384)
+
+
+def test_a_table_without_the_mp_column_renders_the_columns_that_ran():
+    stock = {("llama", "none"): served(), ("llama", "lmcache"): served()}
+    ours = {("llama", c): served() for c in ft.CONNECTORS if c != "mp"}
+    tab = ft.table("9.9", stock, ours)
+    assert tab["connectors"] == [c for c in ft.CONNECTORS if c != "mp"]
+    assert "LMCacheMPConnector" not in ft.render(tab) and "mp" not in tab["rows"][0]["cells"]
+    assert ("llama", "mp") not in ft.cells("stock", mp=False)
