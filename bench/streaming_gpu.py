@@ -770,6 +770,49 @@ def host_read_bandwidth(nbytes: int, reps: int) -> tuple[float, float]:
     return read, copy
 
 
+MODEL_CONTEXTS = (("128K", 128 * 1024), ("1M", 1 << 20), ("4M", 4 << 20))
+
+
+def attention_rates(device, geo: Geometry, attn: "Attention", window_tokens: int,
+                    prefill_tokens: int, reps: int = 3) -> tuple[float, float]:
+    """(FLOP/s of one prefill-shaped window call, seconds of one decode-shaped window call): the
+    attention kernel on `prefill_tokens` (resp. 1) query tokens against one window of KV."""
+    g = geo
+    gen = torch.Generator().manual_seed(0)
+    k = torch.randn((window_tokens, g.hkv, g.d), generator=gen).to(device, g.dtype)
+    v = torch.randn((window_tokens, g.hkv, g.d), generator=gen).to(device, g.dtype)
+    times = []
+    for n in (prefill_tokens, 1):
+        q = torch.randn((n, g.hq, g.d), generator=gen).to(device, g.dtype)
+        times.append(timed(lambda: attn(q, k, v, [0, n], [0, window_tokens], False), device,
+                           reps, 1))
+    flops = 4 * prefill_tokens * g.hq * g.d * window_tokens  # QK^T and PV
+    return flops / times[0], times[1]
+
+
+def cost_model(geo: Geometry, h2d: float, prefill_flops: float, decode_window_s: float,
+               window_tokens: int, prefill_tokens: int, recent_tokens: int,
+               contexts=MODEL_CONTEXTS) -> dict[str, dict[str, float]]:
+    """Predicted seconds per context (docs/streaming.md, "Cost model"), copies and attention
+    overlapped (two staging buffers): a prefill of `prefill_tokens` over a cached context of C
+    tokens takes max(copy, attention) with copy = L x C x b / W and attention = L x 4 x N x Hq x D
+    x C / F (F measured on one window); a decode step (batch 1) takes max(copy of the C - R older
+    tokens, L x windows x one decode-shaped window call). `floor` is the copy alone (the bench's
+    ratios are against it)."""
+    out = {}
+    for lab, c in contexts:
+        copy = geo.layers * c * geo.layer_token_bytes / h2d
+        att = geo.layers * 4 * prefill_tokens * geo.hq * geo.d * c / prefill_flops
+        older = max(0, c - recent_tokens)
+        dcopy = geo.layers * older * geo.layer_token_bytes / h2d
+        datt = geo.layers * math.ceil(older / window_tokens) * decode_window_s
+        out[lab] = {"tokens": c, "prefill_copy_s": copy, "prefill_attn_s": att,
+                    "prefill_s": max(copy, att), "prefill_ratio": max(copy, att) / copy,
+                    "decode_copy_s": dcopy, "decode_attn_s": datt, "decode_s": max(dcopy, datt),
+                    "decode_ratio": max(dcopy, datt) / dcopy if dcopy else 1.0}
+    return out
+
+
 def mem_available() -> int:
     try:
         with open("/proc/meminfo") as f:
@@ -908,13 +951,32 @@ def main(argv=None) -> int:
         f"negative control: {'changed' if ex['control_changed'] else 'NOT changed'} "
         f"(min change {ex['control_diff']:.3f})")
 
+    # the cost model: predicted prefill and decode step at 128K / 1M / 4M tokens from the measured
+    # H2D bandwidth and attention throughput (measured figures below are compared with it)
+    flops, dec_win = attention_rates(device, geo, attn, window_tokens, args.prefill_tokens)
+    model = cost_model(geo, h2d, flops, dec_win, window_tokens, args.prefill_tokens,
+                       args.recent_tokens)
+    log(f"cost model: W = {gbps(h2d)} GB/s, attention {flops / 1e12:.3g} TFLOP/s (prefill-shaped, "
+        f"one window), a decode-shaped window call {dec_win * 1e3:.3g} ms; copies and attention "
+        f"overlapped (docs/streaming.md, 'Cost model')")
+    for lab, m in model.items():
+        log(f"  predicted at {lab}: prefill {args.prefill_tokens} tokens {m['prefill_s']:.4f} s "
+            f"(copy {m['prefill_copy_s']:.4f}, attention {m['prefill_attn_s']:.4f}; "
+            f"{m['prefill_ratio']:.2f}x the copy floor, goal <= 1.5), decode step b1 "
+            f"{m['decode_s']:.4f} s ({m['decode_ratio']:.2f}x its floor)")
+
     result: dict[str, str] = {
         "device": device.type, "h2d_gbps": gbps(h2d), "host_read_gbps": gbps(host_read),
         "host_copy_gbps": gbps(host_copy), "kernel": attn.impl,
         "exact_maxdiff": f"{ex['max_diff']:.2e}", "exact_tol": f"{args.tolerance:g}",
         "exact_ok": str(int(ex["ok"])), "control_changed": str(int(ex["control_changed"])),
         "window_tokens": str(window_tokens), "date": time.strftime("%Y-%m-%d"),
+        "attn_tflops": f"{flops / 1e12:.3g}", "decode_window_ms": f"{dec_win * 1e3:.3g}",
     }
+    for lab, m in model.items():
+        result[f"model_prefill_s_{lab}"] = f"{m['prefill_s']:.4f}"
+        result[f"model_prefill_ratio_{lab}"] = f"{m['prefill_ratio']:.2f}"
+        result[f"model_decode_s_{lab}"] = f"{m['decode_s']:.4f}"
 
     # context sizes
     labels = [c.strip() for c in args.contexts.split(",") if c.strip()]
@@ -971,6 +1033,12 @@ def main(argv=None) -> int:
             result[f"prefill_s_{key}"] = f"{t:.4f}"
             result[f"prefill_floor_s_{key}"] = f"{floor:.4f}"
             result[f"prefill_ratio_{key}"] = f"{t / floor:.2f}"
+            m = cost_model(geo, h2d, flops, dec_win, window_tokens, args.prefill_tokens,
+                           args.recent_tokens, ((lab, n),))[lab]
+            pred = m["prefill_s"]
+            log(f"[{lab} {order}] prefill: measured / predicted {t / pred:.2f} (predicted "
+                f"{pred:.4f} s)")
+            result[f"prefill_vs_model_{key}"] = f"{t / pred:.2f}"
             result[f"copies_per_window_{key}"] = f"{batch.copies_per_window():.1f}"
             if first and args.breakdown:
                 tc = timed(lambda: step_stream(batch, streamer, attn, out, do_attn=False), device,
@@ -1006,6 +1074,11 @@ def main(argv=None) -> int:
                         f"on device); ratio {t / fl:.2f} (goal <= 1.5)")
                     result[f"decode_stream_s_{kb}"] = f"{t:.4f}"
                     result[f"decode_stream_ratio_{kb}"] = f"{t / fl:.2f}"
+                    if B == 1:
+                        pred = m["decode_s"]
+                        log(f"[{lab} {order}] decode b1 stream: measured / predicted "
+                            f"{t / pred:.2f} (predicted {pred:.4f} s)")
+                        result[f"decode_vs_model_{kb}"] = f"{t / pred:.2f}"
                 if "host" in variants:
                     t = timed(lambda: step_host_decode(batch, attn, out, args.host_chunk_tokens,
                                                        gather_buf),

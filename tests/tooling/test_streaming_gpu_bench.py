@@ -65,6 +65,41 @@ def test_result_line_has_every_figure(tiny_run):
     assert "prefill_copy_only_s_2K_contiguous" in kv and "prefill_attn_only_s_2K_contiguous" in kv
 
 
+def test_the_cost_model_is_printed_and_compared(tiny_run):
+    """Issue 32 point 8: predicted prefill and decode step at 128K / 1M / 4M tokens from the
+    measured bandwidth and attention throughput, and each measured size against its prediction."""
+    kv = dict(item.split("=", 1) for item in
+              tiny_run.stdout.strip().splitlines()[-1][len("RESULT "):].split())
+    assert float(kv["attn_tflops"]) > 0 and float(kv["decode_window_ms"]) > 0
+    for lab in ("128K", "1M", "4M"):
+        assert float(kv[f"model_prefill_s_{lab}"]) > 0 and float(kv[f"model_decode_s_{lab}"]) > 0
+        assert float(kv[f"model_prefill_ratio_{lab}"]) >= 1.0  # never below the copy floor
+    assert float(kv["model_prefill_s_4M"]) > float(kv["model_prefill_s_1M"])
+    for key in ("prefill_vs_model_8K_contiguous", "decode_vs_model_8K_contiguous_b1"):
+        assert float(kv[key]) > 0, key
+    assert "predicted at 1M: prefill" in tiny_run.stdout
+
+
+def test_cost_model_formula():
+    """Copy-bound below the balance point, attention-bound above it (overlapped: the max)."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import torch
+
+    import streaming_gpu as sg
+
+    geo = sg.Geometry(12, 40, 8, 128, 32, torch.bfloat16)  # 48 KiB of KV per token (12 layers)
+    w = 50e9
+    m = sg.cost_model(geo, w, prefill_flops=350e12, decode_window_s=1e-5, window_tokens=1 << 15,
+                      prefill_tokens=2048, recent_tokens=4096, contexts=(("1M", 1 << 20),))["1M"]
+    assert abs(m["prefill_copy_s"] - 12 * (1 << 20) * 4096 / w) < 1e-9
+    assert abs(m["prefill_attn_s"] - 12 * 4 * 2048 * 40 * 128 * (1 << 20) / 350e12) < 1e-9
+    assert m["prefill_s"] == max(m["prefill_copy_s"], m["prefill_attn_s"])
+    assert 1.4 < m["prefill_ratio"] < 1.6  # the ~1.5 of docs/streaming.md's cost model
+    assert m["decode_s"] == m["decode_copy_s"]  # decode is copy-bound
+    short = sg.cost_model(geo, w, 350e12, 1e-5, 1 << 15, 64, 4096, (("1M", 1 << 20),))["1M"]
+    assert short["prefill_ratio"] == 1.0  # few new tokens: the copy alone
+
+
 def test_help_works_without_cuda():
     proc = subprocess.run([sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True,
                           timeout=60, cwd=REPO)
