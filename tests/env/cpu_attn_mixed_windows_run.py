@@ -1,7 +1,7 @@
 """One fresh CPU engine running tiny gpt-oss (a sliding-window and a full-attention layer, both
 with sinks; bf16, block size 32) on vLLM's non-AMX CPU attention kernel (the "vec" ISA: AMX is
-hidden from vLLM's ISA choice, so an AMX host runs what every CPU without AMX runs); the prompt
-three times with the prefix cache off. Prints "RUNS [[...], [...], [...]]".
+hidden from vLLM's ISA choice, so an AMX host runs what every CPU without AMX runs) with two
+OpenMP threads; the prompt three times with the prefix cache off. Prints "RUNS [[...], [...], [...]]".
 
 --hma off: the hybrid KV cache manager off (both layers in one KV cache group with mixed windows,
 as vLLM runs the model with LMCacheConnectorV1). --split-mixed: the negative control, kvstack's
@@ -18,6 +18,9 @@ ap.add_argument("--hma", choices=["on", "off"], required=True)
 ap.add_argument("--split-mixed", action="store_true")
 args = ap.parse_args()
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process
+# Two OpenMP threads whatever this process's share of the cores is (a test worker's is one core):
+# with one thread the CPU attention never splits the KV, and the control could not fail.
+os.environ["OMP_NUM_THREADS"] = "2"
 import torch  # noqa: E402
 
 torch.cpu._is_amx_tile_supported = lambda: False  # vLLM's CPU attention takes the "vec" kernel

@@ -5,7 +5,8 @@ without splitting the KV", 0.32 0013; issue 27).
 With the hybrid KV cache manager off (vLLM turns it off for LMCacheConnectorV1), gpt-oss keeps its
 sliding-window and full-attention layers in one group; vLLM 0.32.0's CPU attention built that
 group's split-KV schedule without a window while each layer attended with its own, and read
-splits the window left unwritten: on the non-AMX kernel the decode tokens changed from run to run.
+splits the window left unwritten: on the non-AMX kernel with more than one OpenMP thread (one
+thread never splits) the decode tokens changed from run to run, or were wrong every time.
 Each case is a fresh process (tests/env/cpu_attn_mixed_windows_run.py) on the non-AMX kernel
 whatever the host has. The reference is the same model with the hybrid manager on (one group per
 window); the control undoes the patch and must give other tokens in at least one of its three
