@@ -16,8 +16,9 @@ local CPU tier, vLLM's prefix cache off so a repeat's hit is LMCache's), ``mp`` 
 with an LMCache MP server on 127.0.0.1 per side and chunk size, ``Family.mp_chunk``; the
 Mamba-style hybrids in vLLM's "align" mode with a longer prompt, vLLM's prefix cache reset before
 each run; default base only), ``streaming`` (kvstack's StreamingConnector on one full-attention
-layer) and ``multi`` (MultiConnector: Streaming + LMCache). Stock has no StreamingConnector: those cells compare kvstack's tokens with stock's
-``none`` tokens (the output a user gets without the feature).
+layer) and ``multi`` (MultiConnector: Streaming + LMCache). Stock has no StreamingConnector: those
+cells compare kvstack's tokens with stock's ``none`` tokens (the output a user gets without the
+feature).
 
 A cell's verdict (``verdict``):
 
