@@ -74,6 +74,17 @@ def running(cmd: list[str], port: int, log: Path, env: dict | None = None,
             proc.wait(timeout=10)
 
 
+def lmcache_mp_server_cmd(port: int, chunk: int) -> list[str]:
+    """LMCache's multi-process server on 127.0.0.1 (docs/hybrid-lmcache.md's command):
+    `--l1-size-gb` and `--eviction-policy` are required on LMCache 0.5.3 and 0.5.6; `auto` lets a CPU
+    worker take the engine-driven transfer; `--disable-observability`: no Prometheus port on
+    0.0.0.0."""
+    return [sys.executable, "-m", "lmcache.v1.multiprocess.server", "--host", "127.0.0.1",
+            "--port", str(port), "--chunk-size", str(chunk), "--l1-size-gb", "1",
+            "--eviction-policy", "LRU", "--supported-transfer-mode", "auto",
+            "--disable-observability"]
+
+
 def redis_server() -> str:
     """Debian's redis-server, installed with apt-get when missing and running as root; raises
     ServerUnavailable when it cannot be had."""

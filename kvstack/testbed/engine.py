@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import time
 
 
 def shutdown_llm(llm) -> None:
@@ -22,6 +23,22 @@ def shutdown_llm(llm) -> None:
     gc.collect()
     ensure_kv_transfer_shutdown()
     cleanup_dist_env_and_memory()
+
+
+def reset_prefix_cache(llm, tries: int = 50) -> bool:
+    """Reset vLLM's own prefix cache of an in-process `LLM`; True when it was reset.
+
+    A connector that saves asynchronously keeps a finished request's blocks until the worker
+    reports the store done, which the scheduler takes in only at its next step; generate()
+    returns before that, so reset_prefix_cache refuses ("some blocks are not freed yet") and a
+    repeat would hit vLLM's own cache, not the connector's. An engine step with no new request
+    lets the scheduler free them."""
+    for _ in range(tries):
+        if llm.reset_prefix_cache():
+            return True
+        llm.llm_engine.step()
+        time.sleep(0.1)
+    return False
 
 
 def failure_reason(output: str) -> str:

@@ -129,9 +129,13 @@ def family(model: str) -> Family:
     return next(f for f in FAMILIES if f.model == model)
 
 
+def _family_or_none(model: str) -> Family | None:
+    return next((f for f in FAMILIES if f.model == model), None)
+
+
 def prompt(model: str, connector: str) -> list[int]:
     """The prompt a cell runs (twice, or three times with the control)."""
-    fam = next((f for f in FAMILIES if f.model == model), None)
+    fam = _family_or_none(model)
     return LONG_PROMPT if connector == "mp" and fam is not None and fam.long_memory else PROMPT
 
 
@@ -158,7 +162,7 @@ def make_models(models: list[str], dest: Path) -> None:
 
 def needs_control(model: str, connector: str) -> bool:
     """Whether the cell's repeat restores a recurrent state that the zeroed-state control checks."""
-    fam = next((f for f in FAMILIES if f.model == model), None)
+    fam = _family_or_none(model)
     return fam is not None and fam.long_memory and connector in ("lmcache", "multi")
 
 
@@ -202,7 +206,7 @@ def _run_cell(model: str, connector: str, models_dir: Path) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
-    from kvstack.testbed.engine import shutdown_llm
+    from kvstack.testbed.engine import reset_prefix_cache, shutdown_llm
     from kvstack.testbed.long_memory import zeroing_switch
     from kvstack.testbed.tiny_models import llm_kwargs
 
@@ -231,11 +235,13 @@ def _run_cell(model: str, connector: str, models_dir: Path) -> dict:
     for run in range(3 if control else 2):  # the third: the repeat again, restored states zeroed
         if zero is not None:
             zero[0] = run == 2
-        if align:
-            _reset_prefix_cache(llm)
+        if align and not reset_prefix_cache(llm):  # so that a hit is the connector's
+            raise RuntimeError("vLLM's prefix cache could not be reset (blocks still held)")
         out = llm.generate([{"prompt_token_ids": prompt(model, connector)}], sp, use_tqdm=False)[0]
         tokens.append(list(out.outputs[0].token_ids))
         cached.append(int(out.num_cached_tokens or 0))
+        if connector == "mp":  # its stores reach the MP server asynchronously: let them land
+            _settle(llm)
     if zero is not None:
         zero[0] = False
     from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
@@ -261,25 +267,14 @@ def _run_cell(model: str, connector: str, models_dir: Path) -> dict:
     return res
 
 
-def _reset_prefix_cache(llm) -> None:
-    """Reset vLLM's own prefix cache (so a repeat's hit is the connector's). An asynchronous store
-    keeps a finished request's blocks until the scheduler's next step takes the worker's report
-    in, and reset_prefix_cache refuses until then: engine steps with no request let it."""
-    for _ in range(50):
-        if llm.reset_prefix_cache():
-            return
+def _settle(llm, seconds: float = 1.0) -> None:
+    """Idle engine steps for `seconds`: a connector's asynchronous stores of the request just
+    finished are reported and taken in (without it the stock side's MP repeat hit 0, 128 or 192
+    of 200 tokens from one run to the next)."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
         llm.llm_engine.step()
-        time.sleep(0.1)
-    raise RuntimeError("vLLM's prefix cache could not be reset (blocks still held)")
-
-
-def mp_server_cmd(port: int, chunk: int) -> list[str]:
-    """LMCache's multi-process server on 127.0.0.1 (docs/hybrid-lmcache.md's command): `auto`
-    lets a CPU worker take the engine-driven transfer; no observability port on 0.0.0.0."""
-    return [sys.executable, "-m", "lmcache.v1.multiprocess.server", "--host", "127.0.0.1",
-            "--port", str(port), "--chunk-size", str(chunk), "--l1-size-gb", "1",
-            "--eviction-policy", "LRU", "--supported-transfer-mode", "auto",
-            "--disable-observability"]
+        time.sleep(0.05)
 
 
 def runner_main(argv: list[str]) -> int:
@@ -323,13 +318,13 @@ def run_side(side: str, todo: list[tuple[str, str]], models_dir: Path, *, overla
         env["KVSTACK_OVERLAY"] = str(overlay_dir)
     with contextlib.ExitStack() as stack:
         # the "mp" cells' LMCache MP servers, one per chunk size, for this side only
+        from kvstack.testbed.backend_servers import free_port, lmcache_mp_server_cmd, running
+
         chunks = sorted({family(m).mp_chunk for m, c in todo if c == "mp"})
         ports = {}
         for chunk in chunks:
-            from kvstack.testbed.backend_servers import free_port, running
-
             ports[str(chunk)] = port = free_port()
-            stack.enter_context(running(mp_server_cmd(port, chunk), port,
+            stack.enter_context(running(lmcache_mp_server_cmd(port, chunk), port,
                                         log.with_name(f"{log.stem}-mp-{side}-{chunk}.log"),
                                         {**env, "LMCACHE_DISABLE_BANNER": "1",
                                          "LMCACHE_TRACK_USAGE": "false"},

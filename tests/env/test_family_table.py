@@ -18,6 +18,8 @@ import os
 
 import pytest
 
+from kvtest import on_default_base
+
 pytest.importorskip("vllm")
 pytest.importorskip("lmcache")
 
@@ -49,8 +51,6 @@ def runs(tmp_path_factory):
 def _mp_column() -> bool:
     """The LMCacheMPConnector column runs on the default base only (CI time; on base 0.25 LMCache
     0.5.3's MP route is tests/env/lmcache/test_mp_route.py's)."""
-    from kvtest import on_default_base
-
     return on_default_base()
 
 

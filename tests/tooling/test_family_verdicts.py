@@ -111,7 +111,10 @@ def test_the_same_failure_on_stock_is_shown_as_such_and_no_other():
 def test_mp_cells_run_on_both_sides_with_a_chunk_of_their_block_size():
     assert ("llama", "mp") in ft.cells("stock") and ("llama", "mp") in ft.cells("kvstack")
     assert ft.family("qwen3next").mp_chunk % 32 == 0 and ft.family("llama").mp_chunk == ft.CHUNK
-    assert "--chunk-size" in ft.mp_server_cmd(1, 384) and "384" in ft.mp_server_cmd(1, 384)
+    from kvstack.testbed.backend_servers import lmcache_mp_server_cmd
+
+    cmd = lmcache_mp_server_cmd(1, 384)
+    assert cmd[cmd.index("--chunk-size") + 1] == "384" and cmd[cmd.index("--host") + 1] == "127.0.0.1"
 
 
 def test_a_table_without_the_mp_column_renders_the_columns_that_ran():

@@ -41,7 +41,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from kvstack.testbed.backend_servers import free_port, running
+from kvstack.testbed.backend_servers import free_port, lmcache_mp_server_cmd, running
 
 HERE = Path(__file__).resolve()
 REPO = HERE.parents[3]
@@ -95,6 +95,7 @@ def engine_main(argv=None) -> int:
                          "before the request runs on (K/V stay)")
     args = ap.parse_args(argv)
     sys.path.insert(0, str(REPO))
+    from kvstack.testbed.engine import reset_prefix_cache
     from kvstack.testbed.tiny_models import apply_engine_env, llm_kwargs
 
     apply_engine_env()
@@ -127,7 +128,7 @@ def engine_main(argv=None) -> int:
     tokens, cached, reset_ok = [], [], []
     for p in json.loads(Path(args.prompts).read_text()):
         if args.reset_prefix_cache:
-            reset_ok.append(_reset_prefix_cache(llm))
+            reset_ok.append(reset_prefix_cache(llm, tries=20))
         out = llm.generate([{"prompt_token_ids": p}], sp, use_tqdm=False)[0]
         tokens.append(list(out.outputs[0].token_ids))
         # With vLLM's own prefix cache off or reset, these are the connector's external hit tokens.
@@ -137,22 +138,6 @@ def engine_main(argv=None) -> int:
                       "reset_ok": reset_ok, "mamba_state": mamba}), flush=True)
     time.sleep(2.0)  # stores to the server are asynchronous
     os._exit(0)
-
-
-def _reset_prefix_cache(llm) -> bool:
-    """Reset vLLM's own prefix cache; True when it was reset.
-
-    A connector that saves asynchronously keeps a finished request's blocks until the worker
-    reports the store done, which the scheduler takes in only at its next step; generate()
-    returns before that, so reset_prefix_cache refuses ("some blocks are not freed yet") and a
-    repeat would hit vLLM's own cache, not LMCache. An engine step with no new request lets the
-    scheduler free them."""
-    for _ in range(20):
-        if llm.reset_prefix_cache():
-            return True
-        llm.llm_engine.step()
-        time.sleep(0.1)
-    return False
 
 
 def _watch_mamba_state_at_load(llm, noise: bool) -> dict:
@@ -211,18 +196,12 @@ def _env() -> dict:
             "LMCACHE_TRACK_USAGE": "false"}
 
 
-def mp_server_cmd(port: int, chunk: int) -> list[str]:
-    return [sys.executable, "-m", "lmcache.v1.multiprocess.server", "--host", "127.0.0.1", "--port",
-            str(port), "--chunk-size", str(chunk), "--l1-size-gb", "1", "--eviction-policy", "LRU",
-            "--supported-transfer-mode", "auto", "--disable-observability"]
-
-
 @contextmanager
 def mp_server(tmp_path: Path, chunk: int):
     """An LMCache MP server on 127.0.0.1 (free port); stopped on exit, also on failure."""
     port = free_port()
     log = tmp_path / f"mp-server-{port}.log"
-    with running(mp_server_cmd(port, chunk), port, log, _env(), timeout=90,
+    with running(lmcache_mp_server_cmd(port, chunk), port, log, _env(), timeout=90,
                  what="MP server"):
         yield port, log
 
