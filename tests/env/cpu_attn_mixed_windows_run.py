@@ -1,7 +1,9 @@
 """One fresh CPU engine running tiny gpt-oss (a sliding-window and a full-attention layer, both
 with sinks; bf16, block size 32) on vLLM's non-AMX CPU attention kernel (the "vec" ISA: AMX is
 hidden from vLLM's ISA choice, so an AMX host runs what every CPU without AMX runs) with two
-OpenMP threads; the prompt three times with the prefix cache off. Prints "RUNS [[...], [...], [...]]".
+OpenMP threads; one prompt three times, then a short and a long prompt together three times, with
+the prefix cache off. Prints "THREADS n" (the OpenMP threads) and "RUNS [...]" (six runs: the
+tokens of each prompt).
 
 --hma off: the hybrid KV cache manager off (both layers in one KV cache group with mixed windows,
 as vLLM runs the model with LMCacheConnectorV1). --split-mixed: the negative control, kvstack's
@@ -18,9 +20,12 @@ ap.add_argument("--hma", choices=["on", "off"], required=True)
 ap.add_argument("--split-mixed", action="store_true")
 args = ap.parse_args()
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process
-# Two OpenMP threads whatever this process's share of the cores is (a test worker's is one core):
-# with one thread the CPU attention never splits the KV, and the control could not fail.
+# Two OpenMP threads on every core of the machine, whatever this process's share of the cores is (a
+# test worker's is one core): with one thread the CPU attention never splits the KV, and with two
+# threads on one core one of them may take every task, so the control could not fail.
 os.environ["OMP_NUM_THREADS"] = "2"
+if hasattr(os, "sched_setaffinity"):
+    os.sched_setaffinity(0, range(os.cpu_count() or 1))
 import torch  # noqa: E402
 
 torch.cpu._is_amx_tile_supported = lambda: False  # vLLM's CPU attention takes the "vec" kernel
@@ -36,12 +41,16 @@ tiny_models.apply_engine_env()
 llm = LLM(**tiny_models.llm_kwargs("gpt_oss", args.model_dir, max_num_batched_tokens=64,
                                    enable_prefix_caching=False,
                                    disable_hybrid_kv_cache_manager=args.hma == "off"))
-prompt = [(i * 53) % 900 + 3 for i in range(200)]
+# One prompt alone, then a short and a long one decoding together (the long one's first KV split,
+# outside the sliding window, then follows the short one's work in the same thread's task list).
 runs = []
-for _ in range(3):
-    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=8, temperature=0),
-                       use_tqdm=False)
-    runs.append(list(out[0].outputs[0].token_ids))
+for lens in ([200], [40, 300]):
+    prompts = [[(i * 53) % 900 + 3 for i in range(n)] for n in lens]
+    for _ in range(3):
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
+        runs.append([list(o.outputs[0].token_ids) for o in outs])
+print("THREADS " + str(torch.get_num_threads()), flush=True)
 print("RUNS " + json.dumps(runs), flush=True)
 sys.stdout.flush()
 os._exit(0)

@@ -9,8 +9,11 @@ splits the window left unwritten: on the non-AMX kernel with more than one OpenM
 thread never splits) the decode tokens changed from run to run, or were wrong every time.
 Each case is a fresh process (tests/env/cpu_attn_mixed_windows_run.py) on the non-AMX kernel
 whatever the host has. The reference is the same model with the hybrid manager on (one group per
-window); the control undoes the patch and must give other tokens in at least one of its three
-runs, or the first case could not fail. Default base only (the patch is base 0.32's: vLLM 0.25.1
+window); the control undoes the patch and must give other tokens in at least one of its six runs
+(one prompt alone, then a short and a long one together: the long one's first split, outside the
+window, then follows the short one's work on its thread and reads that work's output), or the
+first case could not fail. The runner's engine has two OpenMP threads on all the machine's cores
+(a CI worker keeps to one core, where one thread could take every task). Default base only (the patch is base 0.32's: vLLM 0.25.1
 cannot run such a model with the hybrid manager off at all)."""
 
 from __future__ import annotations
@@ -39,28 +42,31 @@ def model(tmp_path_factory):
     return tiny_models.make_model("gpt_oss", tmp_path_factory.mktemp("mixed") / "gpt_oss")
 
 
-def _runs(model, *extra) -> list[list[int]]:
+def _runs(model, *extra) -> list[list[list[int]]]:
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     res = subprocess.run([sys.executable, str(HERE / "cpu_attn_mixed_windows_run.py"),
                           "--model-dir", str(model), *extra], capture_output=True, text=True,
                          env=env, timeout=600)
     assert res.returncode == 0, (res.returncode, res.stderr[-3000:])
+    threads = [ln for ln in res.stdout.splitlines() if ln.startswith("THREADS ")]
     line = [ln for ln in res.stdout.splitlines() if ln.startswith("RUNS ")]
-    assert line, res.stdout[-2000:]
+    assert line and threads, res.stdout[-2000:]
+    # one OpenMP thread never splits the KV: neither case could then fail
+    assert threads[-1] == "THREADS 2", threads
     return json.loads(line[-1][5:])
 
 
 @pytest.fixture(scope="module")
 def reference(model):
     runs = _runs(model, "--hma", "on")
-    assert runs[0] == runs[1] == runs[2], runs
-    return runs[0]
+    assert runs[0] == runs[1] == runs[2] and runs[3] == runs[4] == runs[5], runs
+    return runs
 
 
 def test_one_group_gives_the_tokens_of_one_group_per_window(model, reference):
-    assert _runs(model, "--hma", "off") == [reference] * 3
+    assert _runs(model, "--hma", "off") == reference
 
 
 def test_control_the_split_kept_changes_the_tokens(model, reference):
     runs = _runs(model, "--hma", "off", "--split-mixed")
-    assert any(r != reference for r in runs), runs
+    assert runs != reference, runs
