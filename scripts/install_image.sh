@@ -106,6 +106,9 @@ if [ "$target" = cpu ]; then
 else
   # the CUDA build's version where the cpu venv's carries +cpu (CUDA_TORCH_VERSION), else TORCH_VERSION
   torch_version=$(pin vllm CUDA_TORCH_VERSION); [ -n "$torch_version" ] || torch_version=$(need_pin vllm TORCH_VERSION)
+  # The requirements too (torch's CUDA libraries: cuBLAS, cuDNN, NCCL ..., 4 GB) are taken from the
+  # wheelhouse where it has them, from the package index otherwise.
+  [ -z "${KVSTACK_WHEELHOUSE:-}" ] || [ ! -d "$KVSTACK_WHEELHOUSE" ] || export PIP_FIND_LINKS="$KVSTACK_WHEELHOUSE"
   [ -x "$venv/bin/python" ] || { step "creating venv $venv"; "$python" -m venv "$venv"; }
   echo "torch==$torch_version" > "$venv/constraints.txt"
   step "1/4 torch $torch_version ($torch_wheel)"
