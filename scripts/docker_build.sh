@@ -14,7 +14,8 @@
 # --tag             image name (default kvstack:<version>-<base>-<target>, e.g. kvstack:0.1.0-0.25-cpu)
 # --base-image      the container's base image for that target (sets CUDA_BASE_IMAGE / CPU_BASE_IMAGE): a
 #                   registry image, ideally by digest, or one that exists only in the builder's local
-#                   storage (e.g. localhost/kvstack-base:bookworm from scripts/make_base_image.sh)
+#                   storage (e.g. localhost/kvstack-base:bookworm from scripts/make_base_image.sh). The
+#                   cuda target's default is localhost/kvstack-base:bookworm, made first when missing.
 # --builder         default $KVSTACK_BUILDER, else detected: docker when its daemon answers, else
 #                   podman, else buildah. A builder that is not installed is an error (exit 2).
 # --storage-driver  podman/buildah storage driver; default $KVSTACK_STORAGE_DRIVER or $STORAGE_DRIVER
@@ -107,6 +108,14 @@ fi
 version=$(sed -n 's/^version *= *"\([^"]*\)".*/\1/p' "$root/pyproject.toml" | head -1)
 [ -n "$tag" ] || tag="kvstack:$version-$base-$target"
 
+# The cuda target's default base is made here (Debian bookworm, scripts/make_base_image.sh): named
+# explicitly so that it is never looked up in a registry, and made first when the storage lacks it.
+made_base=0
+if [ "$target" = cuda ] && [ -z "$base_image" ]; then
+  base_image=localhost/kvstack-base:bookworm
+  made_base=1
+fi
+
 # Arguments both builds share (the deps image's and the final one's).
 common=(-f "$root/Dockerfile" --build-arg "TARGET=$target" --build-arg "KVSTACK_BASE=$base")
 if [ -n "$base_image" ]; then
@@ -131,6 +140,16 @@ esac
 # and reused through `--build-context deps=docker-image://TAG`. Their `--layers` cache would do the same
 # but commits and copies a working container per instruction: with vfs storage, a full copy of the
 # 7 GB image for each label. Docker (BuildKit) caches the stage itself.
+if [ "$made_base" = 1 ] && [ "$print" = 0 ]; then
+  have_base=0
+  if [ "$builder" = docker ]; then docker image inspect "$base_image" >/dev/null 2>&1 && have_base=1
+  else "${tool[@]}" inspect --type image "$base_image" >/dev/null 2>&1 && have_base=1; fi
+  if [ "$have_base" = 0 ]; then
+    echo "[docker_build] making the cuda target's base image $base_image (scripts/make_base_image.sh)" >&2
+    sdo=(); [ -z "$storage_driver" ] || [ "$builder" = docker ] || sdo=(--storage-driver "$storage_driver")
+    bash "$root/scripts/make_base_image.sh" --builder "$builder" "${sdo[@]}" --tag "$base_image" >&2
+  fi
+fi
 deps_cmd=()
 if [ "$builder" != docker ]; then
   base_id=""

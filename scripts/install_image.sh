@@ -58,10 +58,16 @@ need_pin() {
 [ -n "$py_tag" ] || py_tag=$("$python" -c 'import sys; print(f"CP{sys.version_info[0]}{sys.version_info[1]}")')
 py_lower=$(echo "$py_tag" | tr '[:upper:]' '[:lower:]')
 
-# The pinned torch wheel for this interpreter: TORCH_WHEEL_<TAG>, or TORCH_WHEEL when its tag matches.
+# The pinned torch wheel for this interpreter: for the cuda target CUDA_TORCH_WHEEL_<TAG> first (a CUDA
+# build where TORCH_WHEEL, the cpu venv's, is a +cpu one: base 0.32 on CPython 3.11), then
+# TORCH_WHEEL_<TAG>, or TORCH_WHEEL when its tag matches; the cuda target never takes a +cpu build.
 torch_key=""
-if [ -n "$(pin vllm "TORCH_WHEEL_$py_tag")" ]; then torch_key="TORCH_WHEEL_$py_tag"
+if [ "$target" = cuda ] && [ -n "$(pin vllm "CUDA_TORCH_WHEEL_$py_tag")" ]; then torch_key="CUDA_TORCH_WHEEL_$py_tag"
+elif [ -n "$(pin vllm "TORCH_WHEEL_$py_tag")" ]; then torch_key="TORCH_WHEEL_$py_tag"
 elif [[ "$(pin vllm TORCH_WHEEL)" == *"-$py_lower-$py_lower-"* ]]; then torch_key=TORCH_WHEEL
+fi
+if [ "$target" = cuda ] && [ -n "$torch_key" ] && [[ "$(pin vllm "$torch_key")" == *+cpu* ]]; then
+  echo "error: $(pin_file vllm) pins only a CPU torch ($(pin vllm "$torch_key")) for $py_tag; the cuda target needs CUDA_TORCH_WHEEL_$py_tag and CUDA_TORCH_WHEEL_${py_tag}_SHA256" >&2; exit 2
 fi
 [ -n "$torch_key" ] || { echo "error: $(pin_file vllm) pins no torch wheel for $py_tag (add TORCH_WHEEL_$py_tag and TORCH_WHEEL_${py_tag}_SHA256)" >&2; exit 2; }
 torch_wheel=$(need_pin vllm "$torch_key"); torch_sha=$(need_pin vllm "${torch_key}_SHA256")
@@ -98,7 +104,11 @@ if [ "$target" = cpu ]; then
   bash "$root/scripts/build_env.sh" --base "$base" --venv "$venv" --python "$python" "${dep_flag[@]}"
   [ "$deps_only" = 0 ] || exit 0
 else
-  torch_version=$(need_pin vllm TORCH_VERSION)
+  # the CUDA build's version where the cpu venv's carries +cpu (CUDA_TORCH_VERSION), else TORCH_VERSION
+  torch_version=$(pin vllm CUDA_TORCH_VERSION); [ -n "$torch_version" ] || torch_version=$(need_pin vllm TORCH_VERSION)
+  # The requirements too (torch's CUDA libraries: cuBLAS, cuDNN, NCCL ..., 4 GB) are taken from the
+  # wheelhouse where it has them, from the package index otherwise.
+  [ -z "${KVSTACK_WHEELHOUSE:-}" ] || [ ! -d "$KVSTACK_WHEELHOUSE" ] || export PIP_FIND_LINKS="$KVSTACK_WHEELHOUSE"
   [ -x "$venv/bin/python" ] || { step "creating venv $venv"; "$python" -m venv "$venv"; }
   echo "torch==$torch_version" > "$venv/constraints.txt"
   step "1/4 torch $torch_version ($torch_wheel)"
