@@ -28,6 +28,8 @@ if hasattr(os, "sched_setaffinity"):
     os.sched_setaffinity(0, range(os.cpu_count() or 1))
 import torch  # noqa: E402
 
+torch.set_num_threads(2)  # whatever an OpenMP variable the caller's environment carries says
+
 torch.cpu._is_amx_tile_supported = lambda: False  # vLLM's CPU attention takes the "vec" kernel
 from vllm import LLM, SamplingParams  # noqa: E402
 
@@ -51,6 +53,8 @@ for lens in ([200], [40, 300]):
                             SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
         runs.append([list(o.outputs[0].token_ids) for o in outs])
 print("THREADS " + str(torch.get_num_threads()), flush=True)
+print("ENV " + json.dumps({k: v for k, v in os.environ.items()
+                           if k.startswith(("OMP_", "KMP_", "GOMP_", "VLLM_CPU_"))}), flush=True)
 print("RUNS " + json.dumps(runs), flush=True)
 sys.stdout.flush()
 os._exit(0)

@@ -52,7 +52,8 @@ def _runs(model, *extra) -> list[list[list[int]]]:
     line = [ln for ln in res.stdout.splitlines() if ln.startswith("RUNS ")]
     assert line and threads, res.stdout[-2000:]
     # one OpenMP thread never splits the KV: neither case could then fail
-    assert threads[-1] == "THREADS 2", threads
+    env = [ln for ln in res.stdout.splitlines() if ln.startswith("ENV ")]
+    assert threads[-1] == "THREADS 2", (threads, env)
     return json.loads(line[-1][5:])
 
 
