@@ -41,8 +41,9 @@ A cell's verdict (``verdict``):
 - ``FAIL``: anything else, above all stock serves and kvstack refuses or differs, or kvstack fails
   after start-up or its engine process dies (never a refusal).
 
-One process per side runs its cells one engine after another (a refused engine ends the process;
-the driver starts a new one for the cells left), and prints a JSON line per cell. The test
+One process per side runs its cells one engine after another, and prints a JSON line per cell. An
+engine refused while starting is let go and the next cell runs in the same process; one that fails
+after it started ends the process, and the driver starts a new one for the cells left. The test
 (tests/env/test_family_table.py) renders the table into docs/family-table.md, one section per base:
 
     python -m kvstack.testbed.family_table publish   # docs/family-table.md from build/family-table/*.json
@@ -267,6 +268,21 @@ def _run_cell(model: str, connector: str, models_dir: Path) -> dict:
     return res
 
 
+def _release_engine_state() -> None:
+    """What an engine that failed to start leaves in this process: vLLM's process groups and
+    LMCache's engine registry (as _run_cell's teardown), then the garbage."""
+    import gc
+
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    engines = sys.modules.get("lmcache.v1.cache_engine")
+    if engines is not None:
+        for instance in list(engines.LMCacheEngineBuilder._instances):
+            engines.LMCacheEngineBuilder.destroy(instance)
+    cleanup_dist_env_and_memory()
+    gc.collect()
+
+
 def _settle(llm, seconds: float = 1.0) -> None:
     """Idle engine steps for `seconds`: a connector's asynchronous stores of the request just
     finished are reported and taken in (without it the stock side's MP repeat hit 0, 128 or 192
@@ -297,14 +313,23 @@ def runner_main(argv: list[str]) -> int:
         os.environ.update(base_env, **dict(family(model).env))  # this family's variables only
         try:
             res = _run_cell(model, connector, args.models_dir)
-        except Exception as exc:  # a refusal: say it, then end (the engine may have left state)
+        except Exception as exc:  # a refusal: say it
             traceback.print_exc()  # into the side's log (engines.log)
             msg = f"{type(exc).__name__}: {exc}".strip()
+            phase = getattr(exc, "kvstack_phase", "serving")
             print("FAMILY-CELL " + json.dumps({"model": model, "connector": connector,
                                                "served": False, "error": msg[-1500:],
-                                               "phase": getattr(exc, "kvstack_phase", "serving")}),
-                  flush=True)
-            os._exit(3)
+                                               "phase": phase}), flush=True)
+            if phase != "start-up":
+                os._exit(3)  # an engine that served may have left state: the next cells start anew
+            res = None
+        if res is None:
+            # refused while starting (most refusals: a configuration check): its half-built engine
+            # and process groups are let go (outside the except clause, whose traceback holds
+            # them), and the next cell runs in this process: one process start (~10 s of imports)
+            # saved per refusal
+            _release_engine_state()
+            continue
         print("FAMILY-CELL " + json.dumps(res), flush=True)
     os._exit(0)  # skip slow engine/LMCache teardown
 
