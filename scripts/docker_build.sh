@@ -192,8 +192,12 @@ if [ ${#deps_cmd[@]} -gt 0 ]; then
     echo "[docker_build] deps image $deps_tag is up to date (base $base's pin files and the install scripts unchanged): reused" >&2
   else
     echo "[docker_build] building the deps image $deps_tag (base $base's pinned wheels; rebuilt only when its pin files, the install scripts or the base image change)" >&2
+    t0=$SECONDS
     "${deps_cmd[@]}"
+    echo "[docker_build] stage deps: built in $((SECONDS - t0)) s ($deps_tag)" >&2
   fi
   [ "$deps_only" = 0 ] || { echo "[docker_build] --deps-only: $deps_tag" >&2; exit 0; }
 fi
-exec "${cmd[@]}"
+t0=$SECONDS
+"${cmd[@]}"
+echo "[docker_build] stage final: built in $((SECONDS - t0)) s ($tag)" >&2

@@ -16,7 +16,7 @@
 
 Labels: org.opencontainers.image.{title,description,licenses,version,source,revision},
 kvstack.target, kvstack.base (the base's name), kvstack.base.label (e.g. "0.25 (vLLM 0.25.1 + LMCache
-0.5.3)"), kvstack.pin.<component>.<key> for every KEY=VALUE of vllm/<base>.env and
+0.5.3)"), kvstack.torch.version (the torch the target installs), kvstack.pin.<component>.<key> for every KEY=VALUE of vllm/<base>.env and
 lmcache/<base>.env (keys lower-cased, '_' -> '-'), kvstack.patches (JSON list: component, patch, subject, upstream status),
 kvstack.patches.count, kvstack.sbom (path of the pip-inspect SBOM inside the image).
 Exit codes: 0 ok, 2 usage error (an unknown base included).
@@ -88,6 +88,11 @@ def labels(target: str, revision: str, source: str, patches: list[dict], base: s
         "kvstack.base": base,
         "kvstack.base.label": load_base(base).label,
     }
+    # the torch the target installs: the cuda target's CUDA build where the pins carry one beside the
+    # cpu venv's +cpu build (CUDA_TORCH_VERSION), else TORCH_VERSION
+    vllm_pins = load_pin("vllm", base).values
+    lab["kvstack.torch.version"] = ((vllm_pins.get("CUDA_TORCH_VERSION") if target == "cuda" else None)
+                                    or vllm_pins.get("TORCH_VERSION", ""))
     for comp in COMPONENTS:
         for key, value in load_pin(comp, base).values.items():
             lab[f"kvstack.pin.{comp}.{key.lower().replace('_', '-')}"] = value

@@ -1,7 +1,7 @@
 """Checks run inside a built kvstack image, without a GPU (issue 31): what a user's first commands
 need, and nothing left behind that must not ship.
 
-    python -m kvstack.release.image_check [--target cuda|cpu] [--model DIR]
+    python -m kvstack.release.image_check [--target cuda|cpu] [--model DIR] [--sizes]
 
 One line per check (``[ok]`` / ``[FAIL]``), then ``RESULT n/m checks hold``; exit 0 when all hold,
 1 otherwise. ``kvstack doctor`` (every patch applied, pins) is run by the caller beside it.
@@ -15,8 +15,10 @@ One line per check (``[ok]`` / ``[FAIL]``), then ``RESULT n/m checks hold``; exi
 - nothing left behind: no pip or kvstack download cache, no wheelhouse, no CA bundle from the build's
   secret, no ``__pycache__`` of the install scripts' temporary paths;
 - the SBOM and the image metadata are where the labels say;
-- with ``--model``: ``vllm serve`` without a GPU (cuda) fails with vLLM's own message, never an
-  ``ImportError``.
+- with ``--model``: ``vllm serve`` without a GPU (cuda) fails with vLLM's own "Failed to infer
+  device type" (or torch's "no GPU"), never an ``ImportError`` or a traceback of our own;
+- with ``--sizes``: first the ten biggest directories (``SIZE ... MiB path``; one level below ``/``,
+  the venv's site-packages and its ``nvidia/``).
 """
 
 from __future__ import annotations
@@ -31,6 +33,10 @@ import sys
 from pathlib import Path
 
 VENV = Path(os.environ.get("KVSTACK_VENV", "/opt/kvstack"))
+# How a start without a device ends: vLLM's platform inference ("Failed to infer device type", vLLM
+# 0.32.0 with kvstack's patch 0014) or torch's CUDA initialisation.
+NO_DEVICE_ERRORS = ("Failed to infer device type", "No CUDA GPUs are available",
+                    "Found no NVIDIA driver")
 SHARE = VENV / "share" / "kvstack"
 
 
@@ -46,8 +52,12 @@ def check_versions(target: str) -> list[tuple[str, bool, str]]:
     out = [("vllm --version", res.returncode == 0 and (want is None or got == want),
             f"{got} (pin {want})")]
     res = _run("vllm", "serve", "--help")
-    out.append(("vllm serve --help", res.returncode == 0 and "--kv-transfer-config" in res.stdout,
+    out.append(("vllm serve --help", res.returncode == 0 and "usage: vllm serve" in res.stdout,
                 f"exit {res.returncode}"))
+    # the flag our connectors are given through (its own help page: `--help` lists the groups only)
+    res = _run("vllm", "serve", "--help=kv-transfer-config")
+    out.append(("vllm serve --help=kv-transfer-config",
+                res.returncode == 0 and "--kv-transfer-config" in res.stdout, f"exit {res.returncode}"))
     return out
 
 
@@ -142,11 +152,33 @@ def check_serve_without_gpu(model: str) -> list[tuple[str, bool, str]]:
     text = text if isinstance(text, str) else text.decode(errors="replace")
     lines = [ln for ln in text.strip().splitlines() if ln.strip()]
     last = next((ln for ln in reversed(lines) if "Error" in ln), lines[-1] if lines else "")
-    # the exception it ends with (vLLM's CUDA wheel also warns "Failed to import from vllm._C:
-    # ModuleNotFoundError" on every start, GPU or not: not the failure)
-    import_error = "ImportError" in last or "ModuleNotFoundError" in last
-    return [("vllm serve without a GPU fails cleanly", code not in (0, "timeout") and not import_error,
+    # the exception it ends with must be vLLM's own "no device" error (vLLM's CUDA wheel also warns
+    # "Failed to import from vllm._C: ModuleNotFoundError" on every start, GPU or not: not the failure)
+    clear = any(msg in last for msg in NO_DEVICE_ERRORS)
+    return [("vllm serve without a GPU fails with vLLM's own error", code not in (0, "timeout") and clear,
              f"exit {code}: {last.strip()[:240]}")]
+
+
+def biggest_dirs(roots: list[str], count: int = 10) -> list[tuple[int, str]]:
+    """The `count` biggest directories one level below each of `roots` (bytes, path), as `du -x`
+    counts them (a folder and its parent may both be listed when both are among the biggest)."""
+    sizes = {}
+    for root in roots:
+        if not Path(root).is_dir():
+            continue
+        res = _run("du", "-x", "-B1", "--max-depth=1", root, timeout=600)
+        for line in res.stdout.splitlines():
+            size, _, path = line.partition("\t")
+            if size.isdigit() and path.rstrip("/") != root.rstrip("/"):
+                sizes[path] = int(size)
+    return sorted(((v, k) for k, v in sizes.items()), reverse=True)[:count]
+
+
+def size_roots() -> list[str]:
+    """Where an image's size goes: the root, the venv's site-packages and its nvidia/ (the CUDA
+    libraries)."""
+    site = sorted(glob.glob(str(VENV / "lib" / "python3*" / "site-packages")))
+    return ["/", *site, *(str(Path(s) / "nvidia") for s in site)]
 
 
 def main(argv=None) -> int:
@@ -154,7 +186,13 @@ def main(argv=None) -> int:
     ap.add_argument("--target", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--model", help="a model folder for the `vllm serve` check (cuda: must fail "
                                     "without a GPU with vLLM's own message)")
+    ap.add_argument("--sizes", action="store_true",
+                    help="first print the ten biggest directories (one level below /, the venv's "
+                         "site-packages and its nvidia/)")
     args = ap.parse_args(argv)
+    if args.sizes:
+        for size, path in biggest_dirs(size_roots()):
+            print(f"SIZE {size / 2**20:9.0f} MiB  {path}", flush=True)
     checks = check_versions(args.target) + check_imports(args.target) + check_connectors()
     if args.target == "cuda":
         checks += check_lmcache_cuda()

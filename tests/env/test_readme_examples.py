@@ -51,6 +51,11 @@ COVERED = {
                           "tests/tooling/test_matrix.py", ["--results", "upstream_status"]),
     "servers": (lambda b: "vllm serve" in b and "buildah" not in b or "lmcache_server" in b,
                 "tests/env/server/test_readme_commands.py", ["vllm serve", "lmcache_server"]),
+    # docs/image.md, "The cuda image": its build and checks, and the GPU host's `docker run`
+    "cuda image": (lambda b: "--target cuda" in b or "--gpus all" in b,
+                   "tests/env/test_image_cuda.py",
+                   ["docker_build.sh", "image_check", "test_docs_show_exactly_these_commands",
+                    "test_docs_docker_run_arguments_parse_as_vllm_serve"]),
     "container image": (lambda b: "buildah" in b,
                         "tests/env/test_image_build.py", ["make_base_image.sh", "docker_build.sh"]),
     # README.md, "Install", "Your own vLLM + LMCache": run line by line in a fresh venv (it asserts the
