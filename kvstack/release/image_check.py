@@ -6,14 +6,15 @@ need, and nothing left behind that must not ship.
 One line per check (``[ok]`` / ``[FAIL]``), then ``RESULT n/m checks hold``; exit 0 when all hold,
 1 otherwise. ``kvstack doctor`` (every patch applied, pins) is run by the caller beside it.
 
-- ``vllm --version`` is the pinned vLLM; ``vllm serve --help`` works;
+- ``vllm --version`` is the pinned vLLM; ``vllm serve --help`` and ``--help=kv-transfer-config``
+  answer (vLLM patch 0014 where there is no GPU);
 - torch, vLLM and LMCache import; for cuda torch is a CUDA build (``torch.version.cuda``);
 - kvstack's StreamingConnector, LMCacheConnectorV1 and MultiConnector resolve by name through
   vLLM's connector factory (what ``--kv-transfer-config`` does);
-- cuda: LMCache's CUDA extension is there and every library it links resolves, but the driver
-  (``libcuda``, the host's at run time);
+- cuda: LMCache's CUDA extension is there and loads after torch (failing at most on the driver,
+  ``libcuda``, the host's at run time);
 - nothing left behind: no pip or kvstack download cache, no wheelhouse, no CA bundle from the build's
-  secret, no ``__pycache__`` of the install scripts' temporary paths;
+  secret, no copy of the build context's bind mounts (``/tmp/kvstack-context``);
 - the SBOM and the image metadata are where the labels say;
 - with ``--model``: ``vllm serve`` without a GPU (cuda) fails with vLLM's own "Failed to infer
   device type" (or torch's "no GPU"), never an ``ImportError`` or a traceback of our own;

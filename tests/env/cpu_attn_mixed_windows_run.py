@@ -2,8 +2,8 @@
 with sinks; bf16, block size 32) on vLLM's non-AMX CPU attention kernel (the "vec" ISA: AMX is
 hidden from vLLM's ISA choice, so an AMX host runs what every CPU without AMX runs) with two
 OpenMP threads; one prompt three times, then a short and a long prompt together three times, with
-the prefix cache off. Prints "THREADS n" (the OpenMP threads) and "RUNS [...]" (six runs: the
-tokens of each prompt).
+the prefix cache off. Prints "THREADS n" (the OpenMP threads), "ENV {...}" (the OpenMP variables)
+and "RUNS [...]" (six runs: the tokens of each prompt).
 
 --hma off: the hybrid KV cache manager off (both layers in one KV cache group with mixed windows,
 as vLLM runs the model with LMCacheConnectorV1). --split-mixed: the negative control, kvstack's
