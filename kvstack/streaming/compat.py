@@ -50,8 +50,8 @@ def align_cpu_attention_isa(vllm_config: Any, layers: dict[str, Any]) -> list[st
       with a streaming layer's one-token window next to sliding-window layers (tiny Gemma-3,
       block size 32 asked for) the KV cache got 16-token blocks, the impls kept "amx", and the AMX
       kernel failed its block-size check at the first step on AMX CPUs (the 0.25 hooks patch now
-      keeps the user's block size for paged layers, so this is a second guard, not exercised by a
-      test of its own since that fix). The KV cache is allocated
+      keeps the user's block size for paged layers, so this is a second guard, which no engine test
+      reaches since that fix; tests/env/streaming/test_compat_isa.py pins it without an engine). The KV cache is allocated
       but not yet written here, so the ISA (and the cache layout its kernels write) can still
       change; the metadata builders read the block size in effect.
     - vLLM 0.32.0: the builder sets ``layer.isa`` per KV cache group from the group's block size
