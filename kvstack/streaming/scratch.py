@@ -87,9 +87,10 @@ def needs_reference(model_config: Any) -> bool:
     return getattr(hf, "model_type", "") in ("bloom", "mpt", "baichuan", "jais")
 
 
-def plan_for(vllm_config: Any) -> ScratchPlan:
-    """The plan of a rank of this engine (its share of the heads under tensor parallelism)."""
-    cfg = StreamingConfig.from_vllm_config(vllm_config)
+def plan_for(vllm_config: Any, cfg: StreamingConfig | None = None) -> ScratchPlan:
+    """The plan of a rank of this engine (its share of the heads under tensor parallelism);
+    `cfg`: the engine's StreamingConfig where the caller has parsed it already."""
+    cfg = cfg if cfg is not None else StreamingConfig.from_vllm_config(vllm_config)
     model, par = vllm_config.model_config, vllm_config.parallel_config
     return plan(cfg, q_heads=model.get_num_attention_heads(par),
                 kv_heads=model.get_num_kv_heads(par), head_size=model.get_head_size(),
@@ -104,7 +105,7 @@ def problems(vllm_config: Any) -> list[str]:
     cfg = StreamingConfig.from_extra(ktc.kv_connector_extra_config if ktc is not None else None)
     if cfg.device_scratch_mib is None:
         return []
-    p = plan_for(vllm_config)
+    p = plan_for(vllm_config, cfg)
     if p.configured < p.staging:
         return [f"device_scratch_mib={cfg.device_scratch_mib:g} is below the windowed path's two "
                 f"staging buffers ({p.staging / MIB:.1f} MiB at window_tokens={cfg.window_tokens}"
