@@ -134,7 +134,7 @@ def store():
             pytest.skip("needs buildah (install it, or run as root on Debian/Ubuntu)")
         env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
         for cmd in (["apt-get", "update"], ["apt-get", "install", "-y", "--no-install-recommends",
-                                             "buildah", "mmdebstrap", "fuse-overlayfs"]):
+                                             "buildah", "mmdebstrap"]):
             subprocess.run(cmd, env=env, capture_output=True, check=cmd[1] == "install")
     STORE.mkdir(parents=True, exist_ok=True)
     (STORE / "storage.conf").write_text(
