@@ -179,10 +179,8 @@ def container(image):
 
 
 @pytest.fixture(scope="module")
-def checks(container, tmp_path_factory):
-    from kvstack.testbed import tiny_models
-
-    model = tiny_models.make_model("llama", tmp_path_factory.mktemp("cuda-image") / "llama")
+def checks(container, tiny_model_dir):
+    model = tiny_model_dir("llama")
     res = buildah("run", "-v", f"{model}:/model:ro", container, "--", "python", "-m",
                   "kvstack.release.image_check", "--target", "cuda", "--model", "/model", "--sizes",
                   check=False, timeout=1200)

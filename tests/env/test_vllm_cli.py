@@ -104,10 +104,8 @@ def test_without_a_device_version_and_help_answer():
 
 
 @no_device_patch
-def test_without_a_device_serve_fails_with_vllms_own_error(tmp_path):
-    from kvstack.testbed import tiny_models
-
-    model = tiny_models.make_model("llama", tmp_path / "llama")
+def test_without_a_device_serve_fails_with_vllms_own_error(tiny_model_dir):
+    model = tiny_model_dir("llama")
     res = no_device("serve", str(model), "--port", "1")  # never listens: the config fails first
     assert res.returncode != 0
     last = res.stderr.strip().splitlines()[-1]
