@@ -71,6 +71,7 @@ matrix: ## the whole regression matrix, published to ci/REPORT.md and ci/matrix.
 	python3 ci/run_matrix.py --publish $(MATRIX_ARGS)
 
 env: fetch apply ## build the CPU environment of BASE ($(VENV)) with its stack applied; idempotent
+	scripts/venv_cache.sh --base $(BASE) --venv $(VENV)
 	KVSTACK_VENV=$(VENV) scripts/build_env.sh --base $(BASE)
 
 fetch: ## download (cached), verify sha256 and unpack BASE's sdists into vllm/src/<base>/, lmcache/src/<base>/
