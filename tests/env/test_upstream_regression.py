@@ -3,10 +3,9 @@ failures and no stale entries in the base's ledger ci/upstream/<base>/expected-f
 
 Runs on the base in effect ($KVSTACK_BASE; tests/conftest.py sets it from the installed vLLM/LMCache
 when unset), so `make test` checks each base against its own ledger.
-The slow test runs kvstack.testbed.upstream_tests' DEFAULT_PATHS (tests/v1/core/test_kv_cache_utils.py,
-tests/v1/kv_connector/unit/ and the worker/attention tests of the files the layout ladder changes;
-6-7 minutes on 2 idle cores). The fast tests check the ledger and the
-comparison rules the slow one relies on.
+The slow test runs the base's selection, kvstack.testbed.upstream_tests.PATHS_BY_BASE (upstream's
+tests of what the base's series changes; 3-6 minutes on one core). The fast tests check the ledger
+and the comparison rules the slow one relies on.
 """
 
 from __future__ import annotations
