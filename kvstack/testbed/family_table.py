@@ -321,6 +321,7 @@ def runner_main(argv: list[str]) -> int:
                                                "served": False, "error": msg[-1500:],
                                                "phase": phase}), flush=True)
             if phase != "start-up":
+                _print_sources()
                 os._exit(3)  # an engine that served may have left state: the next cells start anew
             res = None
         if res is None:
@@ -331,12 +332,57 @@ def runner_main(argv: list[str]) -> int:
             _release_engine_state()
             continue
         print("FAMILY-CELL " + json.dumps(res), flush=True)
+    _print_sources()
     os._exit(0)  # skip slow engine/LMCache teardown
 
 
+def _print_sources() -> None:
+    """The files of this repository the runner imported (what a cached stock side depends on)."""
+    from kvstack.testbed.side_cache import imported_sources
+
+    print("FAMILY-SOURCES " + json.dumps(imported_sources()), flush=True)
+
+
+def run_stock_side(todo: list[tuple[str, str]], models_dir: Path, *, overlay_dir: Path, log: Path,
+                   base: str) -> tuple[dict[tuple[str, str], dict], str]:
+    """The stock side's results, and a line saying whether they were run or reused: reused
+    (kvstack.testbed.side_cache) when the same cells ran before on this host with the same installed
+    packages, overlay, tiny models and engine variables, and no file of this repository the stock
+    runner imported has changed since; run (and kept for the next time) otherwise."""
+    import importlib.util
+
+    from kvstack.testbed import side_cache
+
+    site = Path(list(importlib.util.find_spec("vllm").submodule_search_locations)[0]).parent
+    inputs = side_cache.fixed_inputs(
+        what="family-table stock side", cells=todo, extra={"base": base},
+        trees={"vllm": site / "vllm", "lmcache": site / "lmcache", "overlay": overlay_dir,
+               "models": models_dir})
+    key = side_cache.key_of(inputs)
+    if side_cache.enabled():
+        hit = side_cache.load(key)
+        if hit is not None:
+            results, entry = hit
+            return ({(r["model"], r["connector"]): r for r in results},
+                    f"stock side reused from {side_cache.entry_path(key)} (run {entry['made']}; "
+                    f"its inputs and the {len(entry['sources'])} files of this repository it "
+                    f"imported are unchanged; {side_cache.SWITCH}=0 runs it)")
+    sources: set[str] = set()
+    results = run_side("stock", todo, models_dir, overlay_dir=overlay_dir, log=log, sources=sources)
+    # kept unless a cell's result is an engine process that died before answering (it may not
+    # happen again); a process that died after some cells answered leaves theirs, and the rest
+    # ran again in a new process (every runner process imports the same files of this repository)
+    if sources and not any(r.get("phase") == "died" for r in results.values()):
+        path = side_cache.store(key, inputs, list(results.values()), sources)
+        return results, f"stock side run; kept in {path}"
+    return results, "stock side run (not kept: a cell's engine process died before answering)"
+
+
 def run_side(side: str, todo: list[tuple[str, str]], models_dir: Path, *, overlay_dir: Path | None,
-             log: Path, timeout: float = 900) -> dict[tuple[str, str], dict]:
-    """Run `todo` on `side` (processes as needed); every cell gets a result."""
+             log: Path, timeout: float = 900,
+             sources: set[str] | None = None) -> dict[tuple[str, str], dict]:
+    """Run `todo` on `side` (processes as needed); every cell gets a result. `sources` gets the
+    files of this repository the runner processes imported."""
     env = {k: v for k, v in os.environ.items() if k != "KVSTACK_OVERLAY"}
     env.update({"PYTHONPATH": str(REPO), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
     if overlay_dir is not None:
@@ -355,11 +401,11 @@ def run_side(side: str, todo: list[tuple[str, str]], models_dir: Path, *, overla
                                          "LMCACHE_TRACK_USAGE": "false"},
                                         timeout=90, what="LMCache MP server"))
         env[MP_PORTS_ENV] = json.dumps(ports)
-        return _run_cells(todo, models_dir, env, log, timeout)
+        return _run_cells(todo, models_dir, env, log, timeout, sources)
 
 
 def _run_cells(todo: list[tuple[str, str]], models_dir: Path, env: dict, log: Path,
-               timeout: float) -> dict[tuple[str, str], dict]:
+               timeout: float, sources: set[str] | None = None) -> dict[tuple[str, str], dict]:
     results: dict[tuple[str, str], dict] = {}
     left = list(todo)
     with open(log, "a") as logf:
@@ -378,6 +424,10 @@ def _run_cells(todo: list[tuple[str, str]], models_dir: Path, env: dict, log: Pa
                    if ln.startswith("FAMILY-CELL ")]
             for res in got:
                 results[(res["model"], res["connector"])] = res
+            if sources is not None:
+                for ln in out.splitlines():
+                    if ln.startswith("FAMILY-SOURCES "):
+                        sources.update(json.loads(ln.split(" ", 1)[1]))
             done = {(r["model"], r["connector"]) for r in got}
             if not done:  # died before its first cell answered: that cell failed
                 results[left[0]] = {"model": left[0][0], "connector": left[0][1], "served": False,

@@ -7,6 +7,9 @@ kvstack refuses"), checks the control that the stock side really ran stock's cod
 docs/family-table.md holds this run's table for the base (rendered from the results, never by
 hand: `python -m kvstack.testbed.family_table publish` writes it from build/family-table/*.json).
 
+The stock side's results come from kvstack.testbed.side_cache when the same cells ran before with
+nothing they depend on changed (KVSTACK_STOCK_CACHE=0 runs them); kvstack's side always runs.
+
 Replaces test_window_models_lmcache.py (Gemma-2 and chunked-local Llama-4 with LMCache, stock vs
 kvstack: now the table's lmcache column, with the same control).
 """
@@ -41,8 +44,14 @@ def runs(tmp_path_factory):
     stock_dir = ft.build_stock_overlay(tmp / "stock-overlay")
     log = tmp / "engines.log"
     mp = _mp_column()
-    stock = ft.run_side("stock", ft.cells("stock", runnable, mp=mp), models, overlay_dir=stock_dir,
-                        log=log)
+    from kvstack.release.pins import default_base
+
+    base = os.environ.get("KVSTACK_BASE") or default_base()
+    stock, how = ft.run_stock_side(ft.cells("stock", runnable, mp=mp), models, overlay_dir=stock_dir,
+                                   log=log, base=base)
+    print(how)  # and in build/family-table/<base>-stock.txt: whether this run's stock side ran
+    ft.OUT_DIR.mkdir(parents=True, exist_ok=True)
+    (ft.OUT_DIR / f"{base}-stock.txt").write_text(how + "\n")
     ours = ft.run_side("kvstack", ft.cells("kvstack", runnable, mp=mp), models, overlay_dir=None,
                        log=log)
     return stock, ours
