@@ -30,7 +30,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -39,6 +38,7 @@ import pytest
 
 from kvstack.release.pins import base_names, default_base
 from kvstack.testbed import tiny_models
+from image_store import Store, ca_bundle
 
 REPO = Path(__file__).resolve().parents[2]
 # Cold builds take ~15-25 minutes (downloads), warm ones a few: beyond the suite's default timeout.
@@ -54,7 +54,6 @@ README_BASE = (REPO / "vllm" / "default").read_text().strip()  # docs/image.md s
 TAG = f"kvstack:{VERSION}-{KVSTACK_BASE}-cpu"  # docker_build.sh's default tag (buildah stores it as localhost/...)
 BASE_IMAGE = "localhost/kvstack-base:bookworm"  # make_base_image.sh's default tag
 NOPY_BASE_IMAGE = "localhost/kvstack-base:bookworm-nopython"
-CA_BUNDLES = [os.environ.get("PIP_CERT", ""), "/etc/ssl/certs/ca-certificates.crt"]
 
 # The documented commands (docs/image.md's "Build and run" block shows them with these values; see the last test).
 MAKE_BASE = ["scripts/make_base_image.sh", "--builder", "buildah"]
@@ -77,53 +76,9 @@ SERVE_ARGS = ["--served-model-name", "tiny-llama4", "--max-model-len", "512", "-
 PROMPT = {"model": "tiny-llama4", "prompt": "A language model reads a prompt", "max_tokens": 8, "temperature": 0}
 
 
-def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("KVSTACK_BUILDER", "KVSTACK_STORAGE_DRIVER")}
-    env.update(CONTAINERS_STORAGE_CONF=str(STORE / "storage.conf"), STORAGE_DRIVER="vfs",
-               BUILDAH_ISOLATION="chroot", PYTHON=sys.executable)
-    env.pop("PYTHONPATH", None)
-    return env
-
-
-def run(cmd: list[str], *, check: bool = True, timeout: float = 600, log: Path | None = None,
-        env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """Run cmd in the repo (stdout+stderr together, written live to `log` when given), in the test's storage."""
-    if log:
-        with log.open("w") as out:
-            res = subprocess.run(cmd, cwd=REPO, env=env or _env(), stdout=out, stderr=subprocess.STDOUT, text=True,
-                                 timeout=timeout)
-        res.stdout = log.read_text()
-    else:
-        res = subprocess.run(cmd, cwd=REPO, env=env or _env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                             text=True, timeout=timeout)
-    if check and res.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} exited {res.returncode}:\n{res.stdout[-6000:]}")
-    return res
-
-
-def buildah(*args: str, check: bool = True, timeout: float = 600) -> subprocess.CompletedProcess:
-    return run(["buildah", *args], check=check, timeout=timeout)
-
-
-def image_exists(name: str) -> bool:
-    return buildah("inspect", "--type", "image", name, check=False).returncode == 0
-
-
-def inspect(name: str) -> dict:
-    return json.loads(buildah("inspect", "--type", "image", name).stdout)
-
-
-def ensure_tools() -> None:
-    missing = [t for t in ("buildah", "mmdebstrap") if not shutil.which(t)]
-    if not missing:
-        return
-    if os.geteuid() != 0 or not shutil.which("apt-get"):
-        pytest.skip(f"needs {', '.join(missing)} (install them, or run as root on Debian/Ubuntu)")
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    cmd = ["apt-get", "install", "-y", "--no-install-recommends", *missing]
-    if subprocess.run(cmd, env=env, capture_output=True).returncode != 0:
-        subprocess.run(["apt-get", "update"], env=env, capture_output=True, check=True)
-        subprocess.run(cmd, env=env, capture_output=True, check=True)
+IMAGES = Store(STORE, "vfs")
+run, buildah, image_exists, inspect, _env = (IMAGES.run, IMAGES.buildah, IMAGES.image_exists,
+                                             IMAGES.inspect, IMAGES.env)
 
 
 def current_deps_images() -> list[str]:
@@ -139,19 +94,8 @@ def current_deps_images() -> list[str]:
 
 
 def prune(keep: list[str]) -> list[str]:
-    """Remove every container and every image of the test's storage that none of `keep` is built on
-    (an image is kept when its layers are a prefix of a kept image's: the layer cache of the current
-    build). Returns the removed image ids."""
-    buildah("rm", "--all", check=False)
-    keep = [*keep, *current_deps_images()]
-    chains = [inspect(name)["OCIv1"]["rootfs"]["diff_ids"] for name in keep if image_exists(name)]
-    removed = []
-    for img in json.loads(buildah("images", "--all", "--json").stdout or "[]"):
-        ids = inspect(img["id"])["OCIv1"]["rootfs"]["diff_ids"]
-        if not any(chain[: len(ids)] == ids for chain in chains):
-            if buildah("rmi", "--force", img["id"], check=False).returncode == 0:
-                removed.append(img["id"])
-    return removed
+    """IMAGES.prune, keeping every base's current deps image too."""
+    return IMAGES.prune([*keep, *current_deps_images()])
 
 
 def free_port() -> int:
@@ -207,19 +151,10 @@ class Server:
         self.stop()
 
 
-def ca_bundle() -> str | None:
-    return next((c for c in CA_BUNDLES if c and Path(c).is_file()), None)
-
-
 @pytest.fixture(scope="module")
 def store():
-    ensure_tools()
-    STORE.mkdir(parents=True, exist_ok=True)
-    (STORE / "storage.conf").write_text(
-        f'[storage]\ndriver = "vfs"\ngraphroot = "{STORE / "storage"}"\nrunroot = "{STORE / "run"}"\n')
     OUT.mkdir(parents=True, exist_ok=True)
-    buildah("rm", "--all", check=False)  # containers a killed earlier run left behind
-    return STORE
+    return IMAGES.open()
 
 
 @pytest.fixture(scope="module")
@@ -258,9 +193,7 @@ def image(store):
 
 @pytest.fixture(scope="module")
 def container(image):
-    name = buildah("from", TAG).stdout.strip().splitlines()[-1]
-    yield name
-    buildah("rm", name, check=False)
+    yield from IMAGES.container(TAG)
 
 
 @pytest.fixture(scope="module")

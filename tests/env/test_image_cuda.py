@@ -27,8 +27,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -36,6 +34,7 @@ import pytest
 
 from kvstack.release.pins import default_base
 from kvtest import on_default_base
+from image_store import Store, ca_bundle
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600),
@@ -50,68 +49,22 @@ BASE_IMAGE = "localhost/kvstack-base:bookworm"
 # Where `pip download` left the CUDA wheels (docs/image.md); without it the build downloads them.
 WHEELHOUSE = Path(os.environ.get("KVSTACK_CUDA_WHEELHOUSE",
                                  Path.home() / ".cache" / "kvstack" / "wheels" / f"cuda-{BASE}"))
-CA_BUNDLES = [os.environ.get("PIP_CERT", ""), "/etc/ssl/certs/ca-certificates.crt"]
 BUILD = ["scripts/docker_build.sh", "--builder", "buildah", "--storage-driver", "overlay",
          "--base", BASE, "--target", "cuda"]
 MAX_BYTES = 12e9  # issue 31: smaller than vllm/vllm-openai of the same vLLM (12-28 GB)
 
 
-def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("KVSTACK_BUILDER", "KVSTACK_STORAGE_DRIVER", "STORAGE_DRIVER", "PYTHONPATH")}
-    env.update(CONTAINERS_STORAGE_CONF=str(STORE / "storage.conf"), BUILDAH_ISOLATION="chroot",
-               PYTHON=sys.executable)
-    return env
-
-
-def run(cmd: list[str], *, check: bool = True, timeout: float = 600,
-        log: Path | None = None) -> subprocess.CompletedProcess:
-    """cmd in the repo, in the test's storage; stdout+stderr together (live into `log` when given)."""
-    if log:
-        with log.open("w") as out:
-            res = subprocess.run(cmd, cwd=REPO, env=_env(), stdout=out, stderr=subprocess.STDOUT,
-                                 text=True, timeout=timeout)
-        res.stdout = log.read_text()
-    else:
-        res = subprocess.run(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True, timeout=timeout)
-    if check and res.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} exited {res.returncode}:\n{res.stdout[-6000:]}")
-    return res
-
-
-def buildah(*args: str, check: bool = True, timeout: float = 600) -> subprocess.CompletedProcess:
-    return run(["buildah", *args], check=check, timeout=timeout)
-
-
-def inspect(name: str) -> dict:
-    return json.loads(buildah("inspect", "--type", "image", name).stdout)
-
-
-def image_exists(name: str) -> bool:
-    return buildah("inspect", "--type", "image", name, check=False).returncode == 0
+IMAGES = Store(STORE, "overlay")
+run, buildah, image_exists, inspect = IMAGES.run, IMAGES.buildah, IMAGES.image_exists, IMAGES.inspect
 
 
 def build_args() -> list[str]:
     args = list(BUILD)
     if WHEELHOUSE.is_dir() and any(WHEELHOUSE.glob("*.whl")):
         args += ["--wheelhouse", str(WHEELHOUSE)]
-    ca = next((c for c in CA_BUNDLES if c and Path(c).is_file()), None)
-    if ca:
-        args += ["--ca-cert", ca]
+    if ca_bundle():
+        args += ["--ca-cert", ca_bundle()]
     return args
-
-
-def prune(keep: list[str]) -> int:
-    """Remove the containers and every image none of `keep` is built on; returns how many."""
-    buildah("rm", "--all", check=False)
-    chains = [inspect(n)["OCIv1"]["rootfs"]["diff_ids"] for n in keep if image_exists(n)]
-    removed = 0
-    for img in json.loads(buildah("images", "--all", "--json").stdout or "[]"):
-        ids = inspect(img["id"])["OCIv1"]["rootfs"]["diff_ids"]
-        if not any(chain[: len(ids)] == ids for chain in chains):
-            removed += buildah("rmi", "--force", img["id"], check=False).returncode == 0
-    return removed
 
 
 def image_bytes(name: str) -> int:
@@ -129,20 +82,8 @@ def image_bytes(name: str) -> int:
 
 @pytest.fixture(scope="module")
 def store():
-    if not shutil.which("buildah"):
-        if os.geteuid() != 0 or not shutil.which("apt-get"):
-            pytest.skip("needs buildah (install it, or run as root on Debian/Ubuntu)")
-        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-        for cmd in (["apt-get", "update"], ["apt-get", "install", "-y", "--no-install-recommends",
-                                             "buildah", "mmdebstrap"]):
-            subprocess.run(cmd, env=env, capture_output=True, check=cmd[1] == "install")
-    STORE.mkdir(parents=True, exist_ok=True)
-    (STORE / "storage.conf").write_text(
-        f'[storage]\ndriver = "overlay"\ngraphroot = "{STORE / "storage"}"\n'
-        f'runroot = "{STORE / "run"}"\n')
     OUT.mkdir(parents=True, exist_ok=True)
-    buildah("rm", "--all", check=False)  # containers a killed earlier run left behind
-    return STORE
+    return IMAGES.open()
 
 
 @pytest.fixture(scope="module")
@@ -156,7 +97,7 @@ def image(store):
                                                    res.stdout)}
     deps_reused = "is up to date" in res.stdout
     deps_tag = re.findall(r"(localhost/kvstack-deps:\S+)", res.stdout)
-    removed = prune([TAG, BASE_IMAGE, *deps_tag[-1:]])
+    removed = len(IMAGES.prune([TAG, BASE_IMAGE, *deps_tag[-1:]]))
     size = image_bytes(TAG)
     record = {"image": TAG, "base": BASE, "id": inspect(TAG)["FromImageID"],
               "build_seconds": seconds, "stages_seconds": stages, "deps_image_reused": deps_reused,
@@ -173,9 +114,7 @@ def image(store):
 
 @pytest.fixture(scope="module")
 def container(image):
-    name = buildah("from", TAG).stdout.strip().splitlines()[-1]
-    yield name
-    buildah("rm", name, check=False)
+    yield from IMAGES.container(TAG)
 
 
 @pytest.fixture(scope="module")
