@@ -1,7 +1,8 @@
 """Real LMCache backend servers on 127.0.0.1 for tests: `lmcache_server` (LMCache's own, from the
 venv's bin) and `redis-server` (Debian's package, installed with apt-get when missing and running
 as root, as in CI). Each is started in its own process group, so a test can kill it mid-run
-(``os.killpg(server.pid, SIGKILL)``) and always stop it (`stop`).
+(``os.killpg(server.pid, SIGKILL)``) and always stop it (`stop`); and it ends with the process that
+started it (SIGTERM on the parent's death), so a killed test run leaves no server behind.
 
 `running(cmd, port, log, env)` starts any server command the same way (its output in `log`, whose
 tail is in the error when it does not come up) and stops it on exit: bench/hybrid_repeat.py and
@@ -27,6 +28,17 @@ BACKENDS = ("lmcache_server", "redis")
 
 class ServerUnavailable(RuntimeError):
     """The server's program is not installed and cannot be installed here."""
+
+
+def _dies_with_parent() -> None:
+    """In the child before exec (Linux): SIGTERM when the process that started it ends, so a
+    test run killed outright (no `finally` runs) leaves no server holding memory and ports."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: the `finally` blocks stop the servers
 
 
 def free_port() -> int:
@@ -59,7 +71,7 @@ def running(cmd: list[str], port: int, log: Path, env: dict | None = None,
     `port`; yield its process; on exit SIGTERM the group (SIGKILL after 10 s)."""
     with open(log, "w") as fh:
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)
+                                start_new_session=True, preexec_fn=_dies_with_parent)
     try:
         wait_port(port, proc, what, timeout, log)
         yield proc
@@ -116,7 +128,7 @@ def start(backend: str, workdir: Path) -> tuple[subprocess.Popen, str]:
     else:
         raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=_dies_with_parent)
     try:
         wait_port(port, proc, backend)
     except Exception:
