@@ -80,9 +80,13 @@ def host_cpu() -> str:
 
 
 def distributions() -> list[str]:
+    """The distributions installed in this interpreter's site-packages (not whatever sys.path
+    holds at the moment: an import of setuptools adds its vendored packages to it)."""
+    import sysconfig
     from importlib import metadata
 
-    return sorted({f"{d.metadata['Name']}=={d.version}" for d in metadata.distributions()
+    paths = sorted({sysconfig.get_paths()[k] for k in ("purelib", "platlib")})
+    return sorted({f"{d.metadata['Name']}=={d.version}" for d in metadata.distributions(path=paths)
                    if d.metadata["Name"]})
 
 

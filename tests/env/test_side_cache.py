@@ -108,3 +108,15 @@ def test_imported_sources_are_the_repositorys_own_modules():
     # not the venv inside the checkout, nor a module whose __file__ is relative
     assert not [f for f in found if f.startswith((".", "build/", "vllm/", "lmcache/"))], found
     assert all("/" in f for f in found), found
+
+
+def test_distributions_do_not_follow_sys_path(monkeypatch):
+    """An import that puts more on sys.path (setuptools' vendored packages) changes no key: the
+    key of a CI worker must not depend on which tests ran before in it."""
+    import setuptools
+
+    before = side_cache.distributions()
+    vendored = list(__import__("pathlib").Path(setuptools.__file__).parent.glob("_vendor"))
+    for p in vendored:
+        monkeypatch.syspath_prepend(str(p))
+    assert side_cache.distributions() == before
