@@ -25,6 +25,8 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
+from kvstack.release.fetch import sha256_of as file_digest
+
 REPO = Path(__file__).resolve().parents[2]
 ENV_PREFIXES = ("VLLM_", "LMCACHE_", "OMP_", "KMP_", "MKL_", "TORCH_", "KVSTACK_")
 # per-run values, not inputs: server ports and temp paths (the overlay's content is an input)
@@ -34,21 +36,13 @@ VERSION = 1  # bump when what a cached entry holds changes
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("KVSTACK_CACHE") or Path(
-        os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvstack"
-    return Path(root) / "family-table"
+    from kvstack.release.pins import cache_dir as kvstack_cache
+
+    return kvstack_cache() / "family-table"
 
 
 def enabled() -> bool:
     return os.environ.get(SWITCH, "1") != "0"
-
-
-def file_digest(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def tree_digest(root: Path) -> str:

@@ -70,6 +70,14 @@ DEFAULT_PATHS = (
     "tests/v1/worker/test_mamba_utils.py",
     "tests/v1/attention/test_kv_head_stride_canonicalization.py",
 )
+# upstream's tests of the connector hooks (KVConnectorBase_V1, MultiConnector, the scheduler's
+# failed requests) and of LMCacheConnectorV1 with the hybrid allocator: both bases patch them
+HOOK_TESTS = tuple(f"tests/v1/kv_connector/unit/test_{name}.py" for name in (
+    "multi_connector", "kv_connector_lifecycle", "kv_load_failure_recovery", "error_propagation",
+    "invalid_blocks_correctness", "remote_prefill_lifecycle", "remote_decode_lifecycle",
+    "scheduler_kv_connector_override", "example_connector"))
+LMCACHE_CONNECTOR_TESTS = tuple(f"tests/v1/kv_connector/unit/test_{name}.py" for name in (
+    "lmcache_connector", "lmcache_integration", "hma_auto_config", "config"))
 PATHS_BY_BASE = {
     # kv_connector/unit but for the connectors whose files the series leaves alone (Mooncake's store,
     # HF3FS, FlexKV, the hidden-states example, RIXL: 160 of its 570 s of tests here; they reach
@@ -78,23 +86,12 @@ PATHS_BY_BASE = {
     "0.25": (
         "tests/v1/core/test_kv_cache_utils.py",  # 0017: the KV-cache-too-small hint
         # 0002, 0018-0021: the hooks on KVConnectorBase_V1 and MultiConnector, the scheduler
-        "tests/v1/kv_connector/unit/test_multi_connector.py",
-        "tests/v1/kv_connector/unit/test_kv_connector_lifecycle.py",
-        "tests/v1/kv_connector/unit/test_kv_load_failure_recovery.py",
-        "tests/v1/kv_connector/unit/test_error_propagation.py",
-        "tests/v1/kv_connector/unit/test_invalid_blocks_correctness.py",
-        "tests/v1/kv_connector/unit/test_remote_prefill_lifecycle.py",
-        "tests/v1/kv_connector/unit/test_remote_decode_lifecycle.py",
-        "tests/v1/kv_connector/unit/test_scheduler_kv_connector_override.py",
-        "tests/v1/kv_connector/unit/test_example_connector.py",
+        *HOOK_TESTS,
         "tests/v1/kv_connector/unit/test_decode_bench_connector.py",
         "tests/v1/kv_connector/unit/test_cache_pollution_prevention.py",
         "tests/v1/kv_connector/unit/test_handshake_pp_aggregation.py",
         # 0003: LMCacheConnectorV1 with the hybrid memory allocator
-        "tests/v1/kv_connector/unit/test_lmcache_connector.py",
-        "tests/v1/kv_connector/unit/test_lmcache_integration.py",
-        "tests/v1/kv_connector/unit/test_hma_auto_config.py",
-        "tests/v1/kv_connector/unit/test_config.py",
+        *LMCACHE_CONNECTOR_TESTS,
         # 0004, 0014: the transfer regions and bind_kv_cache (kv_connector/utils.py) and the
         # connectors that use them: Mooncake, MoRIIO, NIXL, offloading
         "tests/v1/kv_connector/unit/test_kv_cache_layout.py",
@@ -125,20 +122,9 @@ PATHS_BY_BASE = {
         # 0007: MultiConnector built through object.__new__ (the joint granule is a class default)
         "tests/v1/core/test_prefix_caching.py",
         # 0001: the hooks on KVConnectorBase_V1 and MultiConnector, the scheduler's failed requests
-        "tests/v1/kv_connector/unit/test_multi_connector.py",
-        "tests/v1/kv_connector/unit/test_kv_connector_lifecycle.py",
-        "tests/v1/kv_connector/unit/test_kv_load_failure_recovery.py",
-        "tests/v1/kv_connector/unit/test_error_propagation.py",
-        "tests/v1/kv_connector/unit/test_invalid_blocks_correctness.py",
-        "tests/v1/kv_connector/unit/test_remote_prefill_lifecycle.py",
-        "tests/v1/kv_connector/unit/test_remote_decode_lifecycle.py",
-        "tests/v1/kv_connector/unit/test_scheduler_kv_connector_override.py",
-        "tests/v1/kv_connector/unit/test_example_connector.py",
+        *HOOK_TESTS,
         # 0002: LMCacheConnectorV1 with the hybrid memory allocator
-        "tests/v1/kv_connector/unit/test_lmcache_connector.py",
-        "tests/v1/kv_connector/unit/test_lmcache_integration.py",
-        "tests/v1/kv_connector/unit/test_hma_auto_config.py",
-        "tests/v1/kv_connector/unit/test_config.py",
+        *LMCACHE_CONNECTOR_TESTS,
         # 0013: the CPU attention builder's window and heads per KV cache group
         "tests/v1/attention/test_group_sliding_window.py",
         "tests/v1/attention/test_group_head_counts.py",

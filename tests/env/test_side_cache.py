@@ -113,10 +113,12 @@ def test_imported_sources_are_the_repositorys_own_modules():
 def test_distributions_do_not_follow_sys_path(monkeypatch):
     """An import that puts more on sys.path (setuptools' vendored packages) changes no key: the
     key of a CI worker must not depend on which tests ran before in it."""
+    from pathlib import Path
+
     import setuptools
 
     before = side_cache.distributions()
-    vendored = list(__import__("pathlib").Path(setuptools.__file__).parent.glob("_vendor"))
+    vendored = list(Path(setuptools.__file__).parent.glob("_vendor"))
     for p in vendored:
         monkeypatch.syspath_prepend(str(p))
     assert side_cache.distributions() == before
