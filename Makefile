@@ -73,6 +73,11 @@ matrix: ## the whole regression matrix, published to ci/REPORT.md and ci/matrix.
 env: fetch apply ## build the CPU environment of BASE ($(VENV)) with its stack applied; idempotent
 	scripts/venv_cache.sh --base $(BASE) --venv $(VENV)
 	KVSTACK_VENV=$(VENV) scripts/build_env.sh --base $(BASE)
+	@# kvstack's packaging changed since its editable install (e.g. its vLLM plugin's entry point):
+	@# install it again (a few seconds; build_env.sh, which the image's deps stage copies, stays as it is)
+	@want=$$(sha256sum pyproject.toml | cut -d' ' -f1); [ "$$(cat $(VENV)/.kvstack-self 2>/dev/null)" = "$$want" ] || \
+	  { echo "[env] pyproject.toml changed: installing kvstack (editable) in $(VENV) again"; \
+	    $(VENV)/bin/pip install -q --no-deps -e . && echo "$$want" > $(VENV)/.kvstack-self; }
 
 fetch: ## download (cached), verify sha256 and unpack BASE's sdists into vllm/src/<base>/, lmcache/src/<base>/
 	scripts/fetch_sources.sh --base $(BASE)

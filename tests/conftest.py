@@ -41,6 +41,28 @@ def _base_of_this_environment() -> None:
 _base_of_this_environment()
 
 
+def _engine_process_settings() -> None:
+    """What every engine process the tests start inherits (unless already set):
+
+    - VLLM_CACHE_ROOT per base: vLLM caches what it learns of a model class (modelinfos/, keyed by
+      the model file's hash) under one folder; the two bases' model files differ, so with one
+      folder for both each base overwrote the other's entries and the first engine of every model
+      in each half of `make test` ran vLLM's inspection in a subprocess (a full vLLM import: 13-18 s
+      on one core, measured in the family table's runner).
+    - KVSTACK_FREEZE_GC_HEAP=1: engine processes freeze their import-time heap before the engine's
+      full garbage collections (kvstack.testbed.gc_heap; 0 runs them with stock collection)."""
+    from kvstack.release.pins import cache_dir
+    from kvstack.testbed.gc_heap import SWITCH
+
+    base = os.environ.get(BASE_ENV)
+    if base:
+        os.environ.setdefault("VLLM_CACHE_ROOT", str(cache_dir() / "vllm-cache" / base))
+    os.environ.setdefault(SWITCH, "1")
+
+
+_engine_process_settings()
+
+
 # Under pytest-xdist (`make test`'s parallel pass) each worker keeps to its own share of the cores.
 pin_xdist_worker()
 

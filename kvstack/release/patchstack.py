@@ -15,7 +15,8 @@ How a series is applied (the target is never left half-patched):
 Targets: the fetched trees (default), any upstream tree or git checkout
 (--target), or an installed site-packages (--site-packages), where hunks for
 files outside the installed package (tests/, csrc/, docs/) are skipped and
-reported.
+reported, and the bytecode of the files changed is written again (as pip wrote
+it at install time) when the site-packages is of the applying Python's version.
 """
 
 from __future__ import annotations
@@ -259,8 +260,8 @@ def _is_clean_git_checkout(path: Path) -> bool:
     return status.returncode == 0 and not status.stdout.strip()
 
 
-def commit_plan(plan: Plan, use_git: bool) -> None:
-    """Write a successful plan to its target."""
+def commit_plan(plan: Plan, use_git: bool, installed: bool = False) -> None:
+    """Write a successful plan to its target (an installed site-packages: with fresh bytecode)."""
     to_apply = [r.patch for r in plan.results if r.state in (APPLIES, OFFSET)]
     if not to_apply:
         return
@@ -271,7 +272,32 @@ def commit_plan(plan: Plan, use_git: bool) -> None:
             subprocess.run(["git", "-C", str(plan.target), "am", "--abort"], capture_output=True)
             raise RuntimeError(f"git am failed in {plan.target} (aborted, tree restored): {am.stderr.strip()}")
         return
-    _copy_back(plan)
+    changed = _copy_back(plan)
+    if installed:
+        refresh_bytecode(plan.target, changed)
+
+
+def refresh_bytecode(site: Path, changed: list[str]) -> int:
+    """Write the bytecode of the installed files a patch changed, as pip did at install time: their
+    old .pyc no longer matches, and a process that may not write bytecode (PYTHONDONTWRITEBYTECODE,
+    a read-only image) compiled them again at every start. Only for a site-packages of this
+    interpreter's Python version (another version's bytecode would not be read); returns the
+    number of files compiled."""
+    import py_compile
+
+    if f"python{sys.version_info.major}.{sys.version_info.minor}" not in site.resolve().parts:
+        return 0
+    done = 0
+    for rel in changed:
+        path = site / rel
+        if path.suffix == ".py" and path.is_file():
+            try:
+                py_compile.compile(str(path), doraise=True,
+                                   invalidation_mode=py_compile.PycInvalidationMode.TIMESTAMP)
+                done += 1
+            except (py_compile.PyCompileError, OSError):
+                pass  # Python compiles it at import, as before
+    return done
 
 
 def target_version(component: str, target: Path, installed: bool) -> str | None:
@@ -424,7 +450,7 @@ exit codes:
             return EXIT_OK
         for plan in plans:
             use_git = bool(args.target) and not args.no_commit and _is_clean_git_checkout(plan.target)
-            commit_plan(plan, use_git)
+            commit_plan(plan, use_git, installed)
             if not (args.target or installed or args.series_dir):
                 (plan.target / APPLIED_STAMP).write_text(stack_digest(plan.component, base) + "\n")
         applied = sum(r.state in (APPLIES, OFFSET) for p in plans for r in p.results)

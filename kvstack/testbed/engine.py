@@ -12,17 +12,21 @@ def shutdown_llm(llm) -> None:
 
     Stops the engine core, collects the garbage (its KV cache: a GiB at VLLM_CPU_KVCACHE_SPACE=1),
     clears the process-wide KV connector an in-process engine leaves behind, and tears down the
-    distributed state, so another engine (with another connector) can start in the same process.
+    distributed state, so another engine (with another connector) can start in the same process;
+    with $KVSTACK_FREEZE_GC_HEAP set, freezes the heap again (kvstack.testbed.gc_heap).
     """
     from vllm.distributed.kv_transfer.kv_transfer_state import ensure_kv_transfer_shutdown
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    from kvstack.testbed.gc_heap import refreeze
 
     with contextlib.suppress(Exception):
         llm.llm_engine.engine_core.shutdown()
     del llm
     gc.collect()
     ensure_kv_transfer_shutdown()
-    cleanup_dist_env_and_memory()
+    cleanup_dist_env_and_memory()  # unfreezes the heap (vLLM) and collects
+    refreeze()
 
 
 def reset_prefix_cache(llm, tries: int = 50) -> bool:

@@ -275,12 +275,15 @@ def _release_engine_state() -> None:
 
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
+    from kvstack.testbed.gc_heap import refreeze
+
     engines = sys.modules.get("lmcache.v1.cache_engine")
     if engines is not None:
         for instance in list(engines.LMCacheEngineBuilder._instances):
             engines.LMCacheEngineBuilder.destroy(instance)
     cleanup_dist_env_and_memory()
     gc.collect()
+    refreeze()
 
 
 def _settle(llm, seconds: float = 1.0) -> None:

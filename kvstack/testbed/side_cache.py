@@ -29,8 +29,10 @@ from kvstack.release.fetch import sha256_of as file_digest
 
 REPO = Path(__file__).resolve().parents[2]
 ENV_PREFIXES = ("VLLM_", "LMCACHE_", "OMP_", "KMP_", "MKL_", "TORCH_", "KVSTACK_")
-# per-run values, not inputs: server ports and temp paths (the overlay's content is an input)
-ENV_IGNORED = ("KVSTACK_FAMILY_MP_PORTS", "KVSTACK_OVERLAY", "KVSTACK_STOCK_CACHE")
+# per-run values, not inputs: server ports and temp paths (the overlay's content is an input); where
+# vLLM keeps its caches and when the garbage collector runs (kvstack.testbed.gc_heap) change no token
+ENV_IGNORED = ("KVSTACK_FAMILY_MP_PORTS", "KVSTACK_OVERLAY", "KVSTACK_STOCK_CACHE", "VLLM_CACHE_ROOT",
+               "KVSTACK_FREEZE_GC_HEAP")
 SWITCH = "KVSTACK_STOCK_CACHE"
 VERSION = 1  # bump when what a cached entry holds changes
 

