@@ -22,6 +22,7 @@ kvstack.testbed.engine.shutdown_llm) freezes it again for the next engine of the
 
 from __future__ import annotations
 
+import atexit
 import gc
 import os
 
@@ -33,9 +34,12 @@ def enabled() -> bool:
 
 
 def freeze_imported_heap() -> None:
-    """vLLM general plugin: with $KVSTACK_FREEZE_GC_HEAP set, freeze what is alive now."""
+    """vLLM general plugin: with $KVSTACK_FREEZE_GC_HEAP set, freeze what is alive now (and thaw it
+    at exit: the interpreter's last collection skips frozen objects, so extension types were left
+    alive and nanobind printed "leaked N instances" after a CLI's own error, as its last line)."""
     if enabled():
         gc.freeze()
+        atexit.register(gc.unfreeze)
 
 
 def refreeze() -> None:
