@@ -14,6 +14,8 @@ import sys
 
 import pytest
 
+from kvtest import on_default_base
+
 pytest.importorskip("vllm")
 
 pytestmark = pytest.mark.env
@@ -50,7 +52,9 @@ def test_the_plugin_freezes_the_heap_only_when_asked_and_thaws_it_at_exit():
     assert "leaked" not in err, err[-2000:]
     names, before, after, err = _probe("0")  # the control: an installed kvstack left alone
     assert "kvstack_freeze_gc_heap" in names and before == after == 0
-    assert "leaked" in _probe("1", "--no-thaw")[3]  # the control of the thaw
+    if on_default_base():  # the control of the thaw: base 0.25's triton has no nanobind bindings,
+        # so nothing reports objects left alive there (and the "leaked" check cannot fail)
+        assert "leaked" in _probe("1", "--no-thaw")[3]
 
 
 def test_shutdown_refreezes_what_vllm_unfroze(monkeypatch):
