@@ -78,6 +78,9 @@ env: fetch apply ## build the CPU environment of BASE ($(VENV)) with its stack a
 	@want=$$(sha256sum pyproject.toml | cut -d' ' -f1); [ "$$(cat $(VENV)/.kvstack-self 2>/dev/null)" = "$$want" ] || \
 	  { echo "[env] pyproject.toml changed: installing kvstack (editable) in $(VENV) again"; \
 	    $(VENV)/bin/pip install -q --no-deps -e . && echo "$$want" > $(VENV)/.kvstack-self; }
+	@# the test bed's startup hook: full collections wait for the heap freeze while vLLM imports
+	@# (kvstack/testbed/gc_heap.py; acts only with KVSTACK_FREEZE_GC_HEAP set, which the tests set)
+	@$(PY) -m kvstack.testbed.gc_heap
 
 fetch: ## download (cached), verify sha256 and unpack BASE's sdists into vllm/src/<base>/, lmcache/src/<base>/
 	scripts/fetch_sources.sh --base $(BASE)

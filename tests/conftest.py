@@ -50,14 +50,17 @@ def _engine_process_settings() -> None:
       in each half of `make test` ran vLLM's inspection in a subprocess (a full vLLM import: 13-18 s
       on one core, measured in the family table's runner).
     - KVSTACK_FREEZE_GC_HEAP=1: engine processes freeze their import-time heap before the engine's
-      full garbage collections (kvstack.testbed.gc_heap; 0 runs them with stock collection)."""
+      full garbage collections, and defer the full collections of their imports until then
+      (kvstack.testbed.gc_heap; 0 runs them with stock collection). The pytest processes
+      themselves (xdist's workers inherit the variable) collect as usual."""
     from kvstack.release.pins import cache_dir
-    from kvstack.testbed.gc_heap import SWITCH
+    from kvstack.testbed.gc_heap import SWITCH, resume_full_collections
 
     base = os.environ.get(BASE_ENV)
     if base:
         os.environ.setdefault("VLLM_CACHE_ROOT", str(cache_dir() / "vllm-cache" / base))
     os.environ.setdefault(SWITCH, "1")
+    resume_full_collections()
 
 
 _engine_process_settings()

@@ -3,14 +3,19 @@
 - kvstack's vLLM plugin freezes an engine process's import-time heap when the test bed asks for it
   (kvstack.testbed.gc_heap, KVSTACK_FREEZE_GC_HEAP) and does nothing otherwise: vLLM loads its
   general plugins in each process before building the engine, as it does in `vllm serve`;
+- the test venv's startup hook defers full collections while such a process imports, until the
+  plugin freezes (the pytest processes collect as usual);
 - vLLM's cache folder is the base's own, so the two bases' model-class caches do not overwrite
   each other."""
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
+import sysconfig
+from pathlib import Path
 
 import pytest
 
@@ -85,3 +90,35 @@ def test_each_base_has_its_own_vllm_cache_folder():
             cache_dir() / "vllm-cache" / base):
         pytest.skip("VLLM_CACHE_ROOT was set before the tests started: theirs is kept")
     assert out == str(cache_dir() / "vllm-cache" / base)
+
+
+IMPORT_PROBE = """
+import gc
+from vllm import LLM
+full = gc.get_stats()[2]["collections"]  # generation 2's collections during the imports
+from vllm.plugins import load_general_plugins
+load_general_plugins()
+print(full, gc.get_threshold()[2])
+"""
+
+
+def test_the_startup_hook_defers_full_collections_until_the_freeze():
+    from kvstack.testbed.gc_heap import FULL_THRESHOLD, HOOK_LINE, STARTUP_HOOK, SWITCH
+
+    hook = Path(sysconfig.get_paths()["purelib"]) / STARTUP_HOOK
+    assert hook.read_text() == HOOK_LINE, f"{hook}: written by `make env`"
+
+    def full_collections(switch: str) -> tuple[int, int]:
+        env = {**os.environ, SWITCH: switch}
+        env.pop("VLLM_PLUGINS", None)
+        out = subprocess.run([sys.executable, "-c", IMPORT_PROBE], capture_output=True, text=True,
+                             env=env, timeout=300, check=True).stdout.strip().splitlines()[-1]
+        return tuple(int(x) for x in out.split())
+
+    # deferred while vLLM imports; Python's own threshold again once the plugin froze the heap
+    assert full_collections("1") == (0, FULL_THRESHOLD)
+    # the control: without the variable the imports ran full collections over the growing heap
+    full, threshold = full_collections("0")
+    assert full > 0 and threshold == FULL_THRESHOLD
+    # this pytest process (xdist's workers inherit the variable) collects as usual
+    assert gc.get_threshold()[2] == FULL_THRESHOLD
