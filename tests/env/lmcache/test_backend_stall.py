@@ -76,8 +76,9 @@ def summary(out) -> tuple[list[float], int]:
     return during, waited
 
 
-# serial: the requests' waits are timed against the lookup timeout (`make test` runs it alone)
-pytestmark = [pytest.mark.serial]
+# Not serial: the requests' waits are timed against the lookup timeout, with margins that hold on
+# one core of a parallel-pass worker (measured with the other core running the admission server
+# test: a stall request's median 0.10 s against the 1.5 s bound, the control's 6.1 s).
 # CI time (40-60 s per engine run here): the other base stalls one backend (lmcache_server) and runs
 # no control; the default base stalls both and runs the control.
 DEFAULT_ONLY = pytest.mark.skipif(not on_default_base(), reason="default base only (CI time): the "

@@ -21,8 +21,9 @@ import pytest
 
 from streaming_helpers import needs_hooks
 
-# serial: the TP 2 / PP 2 runs bind one core per rank (`make test` runs it alone, with every core)
-pytestmark = pytest.mark.serial
+# serial: the TP 2 / PP 2 runs bind one core per rank (`make test` runs that test alone, with every
+# core); the other dtype's single-rank run and the engine-free tests run in the parallel pass
+SERIAL = pytest.mark.serial
 
 REPO = Path(__file__).resolve().parents[3]
 SCRIPT = REPO / "ci" / "gpu" / "check_streaming.py"
@@ -35,6 +36,7 @@ def _module():
     return mod
 
 
+@SERIAL
 @pytest.mark.env
 @needs_hooks
 def test_streaming_equals_native_on_the_cpu_engine(tmp_path):
