@@ -65,7 +65,7 @@ class KernelBatch:
     num_tokens: int
     query_start_loc: torch.Tensor  # int32 [R + 1]
     seq_lens: torch.Tensor  # int32 [R]
-    block_table: torch.Tensor  # int32 [R, max pages]
+    block_table: torch.Tensor  # int32 [R, max pages]; one request: a view of the worker's table (read only)
     slot_mapping: torch.Tensor  # int64 [num_tokens]
     _meta: dict[Any, SimpleNamespace] = field(default_factory=dict)
 
@@ -100,13 +100,18 @@ def kernel_batch(segments, page_tokens: int) -> KernelBatch:
     P = page_tokens
     ends = [r.start + r.num_tokens for _, _, r in segments]
     used = [-(-end // P) for end in ends]
-    table = torch.zeros(len(segments), max(used), dtype=torch.int32)
-    for i, (_, _, r) in enumerate(segments):
-        k = used[i]
-        if r.page_array is not None and r.page_array.shape[0] >= k:
-            table[i, :k] = r.page_array[:k]  # the worker's table: no list conversion
-        else:  # sink pages past the table (a request failing this step), or no worker table
-            table[i, :k] = torch.tensor(r.pages[:k], dtype=torch.int32)
+    only = segments[0][2] if len(segments) == 1 else None
+    if only is not None and only.page_array is not None and only.page_array.shape[0] >= used[0]:
+        # one request (a lone decode): its row is a view of the worker's table, nothing copied
+        table = only.page_array[:used[0]].unsqueeze(0)
+    else:
+        table = torch.zeros(len(segments), max(used), dtype=torch.int32)
+        for i, (_, _, r) in enumerate(segments):
+            k = used[i]
+            if r.page_array is not None and r.page_array.shape[0] >= k:
+                table[i, :k] = r.page_array[:k]  # the worker's table: no list conversion
+            else:  # sink pages past the table (a request failing this step), or no worker table
+                table[i, :k] = torch.tensor(r.pages[:k], dtype=torch.int32)
     # slot of each new token: its request's page at pos // P, offset pos % P
     if segments[-1][1] <= 64:  # few new tokens (decode): plain lists are quicker
         slots = torch.tensor([r.pages[p // P] * P + p % P for (_, _, r), e in zip(segments, ends)
@@ -117,9 +122,9 @@ def kernel_batch(segments, page_tokens: int) -> KernelBatch:
         pos = torch.cat([torch.arange(r.start, e) for (_, _, r), e in zip(segments, ends)])
         slots = table[row, pos // P].long() * P + pos % P
     qsl = [0] + [b for _, b, _ in segments]
-    return KernelBatch(num_tokens=qsl[-1], query_start_loc=torch.tensor(qsl, dtype=torch.int32),
-                       seq_lens=torch.tensor(ends, dtype=torch.int32), block_table=table,
-                       slot_mapping=slots)
+    lens = torch.tensor(qsl + ends, dtype=torch.int32)  # one tensor: both are views of it
+    return KernelBatch(num_tokens=qsl[-1], query_start_loc=lens[:len(qsl)],
+                       seq_lens=lens[len(qsl):], block_table=table, slot_mapping=slots)
 
 
 def attend_in_place(layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -183,8 +183,12 @@ class _WorkerSide:
             return batch
         qsl = attn_metadata.query_start_loc.tolist()
         rows = [(qsl[i], qsl[i + 1]) for i in range(len(qsl) - 1) if qsl[i + 1] > qsl[i]]
-        firsts = attn_metadata.slot_mapping[torch.tensor([a for a, _ in rows],
-                                                         dtype=torch.long)].tolist()
+        slots = attn_metadata.slot_mapping
+        if slots.shape[0] <= 256:  # decode-sized: one conversion of the whole mapping is quicker
+            every = slots.tolist()
+            firsts = [every[a] for a, _ in rows]
+        else:
+            firsts = slots[torch.tensor([a for a, _ in rows], dtype=torch.long)].tolist()
         by_slot = self._by_slot.get(group, {})
         segments = []
         for (a, b), slot in zip(rows, firsts):

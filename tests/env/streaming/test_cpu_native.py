@@ -101,3 +101,28 @@ def test_not_used_off_the_cpu_backend_or_with_a_page_the_kernel_cannot_take(stre
 
 def test_one_window_engine_matches_native(streaming, reference):
     assert tokens(streaming, [prompt(n, i) for i, n in enumerate(PROMPTS)]) == reference
+
+
+def test_a_lone_request_reads_the_workers_table_in_place():
+    """A decode step of one request (the common per-step case) gives the kernel a view of the
+    worker's page table instead of a copy; several requests, or a table short of the pages the
+    step needs (its sink pages), are copied into a new table as before: the same rows either way."""
+    from kvstack.streaming import cpu_native
+    from kvstack.streaming.layout import ReqStep
+
+    P, pages = 32, [7, 3, 9, 1]
+    array = torch.tensor(pages + [0] * 12, dtype=torch.int32)  # grown by doubling, as PageTables
+    lone = ReqStep("a", 100, 1, 0, [], pages=pages, page_array=array[:4])
+    b = cpu_native.kernel_batch([(0, 1, lone)], P)
+    assert b.block_table.tolist() == [pages] and b.block_table.data_ptr() == array.data_ptr()
+    assert b.query_start_loc.tolist() == [0, 1] and b.seq_lens.tolist() == [101]
+    assert b.slot_mapping.tolist() == [pages[100 // P] * P + 100 % P]
+    other = ReqStep("b", 40, 2, 0, [], pages=[5, 6], page_array=torch.tensor([5, 6], dtype=torch.int32))
+    two = cpu_native.kernel_batch([(0, 1, lone), (1, 3, other)], P)
+    assert two.block_table.tolist() == [pages, [5, 6, 0, 0]]
+    assert two.block_table.data_ptr() != array.data_ptr()  # a copy
+    assert two.query_start_loc.tolist() == [0, 1, 3] and two.seq_lens.tolist() == [101, 42]
+    # the control: a table without the step's pages (a sink page past it) is not viewed
+    sunk = ReqStep("c", 128, 1, 0, [], pages=pages + [15], page_array=array[:4])
+    b = cpu_native.kernel_batch([(0, 1, sunk)], P)
+    assert b.block_table.tolist() == [pages + [15]] and b.block_table.data_ptr() != array.data_ptr()
