@@ -1,0 +1,38 @@
+"""`.ci/run`, CI's entry point: runs `make test` with CI=1 from the repository root, ends with the
+run's wall time, and exits with make's status (a `make` stand-in on PATH: the real `make test`
+is what CI runs around this test)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run_with_make(tmp_path: Path, status: int) -> subprocess.CompletedProcess:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    make = bin_dir / "make"
+    make.write_text(f'#!/bin/sh\necho "make $* in $(pwd) CI=$CI"\nexit {status}\n')
+    make.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    env.pop("CI", None)
+    return subprocess.run(["bash", str(REPO / ".ci" / "run")], capture_output=True, text=True,
+                          env=env, timeout=60, cwd=tmp_path)
+
+
+def test_runs_make_test_and_ends_with_its_time(tmp_path):
+    res = run_with_make(tmp_path, 0)
+    lines = res.stdout.strip().splitlines()
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert lines[0] == f"make test in {REPO} CI=1"
+    assert lines[-1].startswith("== .ci/run: make test took 0m") and lines[-1].endswith(
+        "exit status 0"), lines[-1]
+
+
+def test_a_failing_run_still_prints_its_time_and_keeps_the_status(tmp_path):
+    res = run_with_make(tmp_path, 3)
+    assert res.returncode == 3
+    assert res.stdout.strip().splitlines()[-1].endswith("exit status 3"), res.stdout
