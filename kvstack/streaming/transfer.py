@@ -21,6 +21,7 @@ Imports only torch: the floor bench and the GPU checks can use it on a bare mach
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Iterator
 
 import torch
@@ -28,6 +29,9 @@ import torch
 
 def page_runs(pages: list[int]) -> list[tuple[int, int, int]]:
     """(index in `pages`, first page id, count) of each run of consecutive page ids."""
+    if pages and pages[-1] - pages[0] == len(pages) - 1 \
+            and pages == list(range(pages[0], pages[-1] + 1)):
+        return [(0, pages[0], len(pages))]  # one run (a list compare runs in C)
     runs: list[tuple[int, int, int]] = []
     for i, p in enumerate(pages):
         if runs and runs[-1][1] + runs[-1][2] == p:
@@ -36,6 +40,23 @@ def page_runs(pages: list[int]) -> list[tuple[int, int, int]]:
         else:
             runs.append((i, p, 1))
     return runs
+
+
+def clip_runs(runs: list[tuple[int, int, int]], first: int, last: int,
+              starts: list[int] | None = None) -> list[tuple[int, int, int]]:
+    """The runs of `page_runs(pages)` cut to the pages of index [first, last], indices counted from
+    `first`: equal to `page_runs(pages[first:last + 1])`. `starts`: the runs' first indices
+    (found by bisection; computed when not given)."""
+    if starts is None:
+        starts = [r[0] for r in runs]
+    out = []
+    for idx, page, n in runs[max(0, bisect_right(starts, first) - 1):]:
+        if idx > last:
+            break
+        a, b = max(idx, first), min(idx + n - 1, last)
+        if a <= b:
+            out.append((a - first, page + a - idx, b - a + 1))
+    return out
 
 
 def slot_runs(pages: list[int], page_tokens: int, start: int, n: int) -> list[tuple[int, int, int]]:
@@ -67,6 +88,12 @@ class Medium:
     @staticmethod
     def for_device(device: torch.device) -> "Medium":
         return CudaMedium(device) if device.type == "cuda" else Medium(device)
+
+    def staging_dtype(self, pool_dtype: torch.dtype) -> torch.dtype:
+        """The dtype of the staging buffers: on the CPU float32, the CPU attention kernels' dtype
+        (the copy into the buffer converts, instead of a conversion per window after it); on a
+        GPU the pool's."""
+        return torch.float32 if self.device.type == "cpu" else pool_dtype
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """dst <- src on the copy stream (never blocking the compute stream)."""
@@ -169,13 +196,15 @@ class Transfer:
     def device(self) -> torch.device:
         return self.medium.device
 
-    def _buffers(self, pool: torch.Tensor, tokens: int) -> tuple[tuple, list]:
-        key = (tuple(pool.shape[2:]), pool.dtype)
+    def _buffers(self, pool: torch.Tensor, tokens: int,
+                 dtype: torch.dtype | None = None) -> tuple[tuple, list]:
+        dtype = dtype or self.medium.staging_dtype(pool.dtype)
+        key = (tuple(pool.shape[2:]), dtype)
         bufs = self._staging.get(key)
         if bufs is None or bufs[0][0].shape[0] < tokens:
             shape = (tokens, *pool.shape[2:])
-            bufs = [(torch.empty(shape, dtype=pool.dtype, device=self.device),
-                     torch.empty(shape, dtype=pool.dtype, device=self.device)) for _ in range(2)]
+            bufs = [(torch.empty(shape, dtype=dtype, device=self.device),
+                     torch.empty(shape, dtype=dtype, device=self.device)) for _ in range(2)]
             self._staging[key] = bufs
             self._consumed[key] = [None, None]
         return key, bufs
@@ -187,37 +216,42 @@ class Transfer:
         return sum(t.numel() * t.element_size() for pair in bufs for t in pair)
 
     def windows(self, k_pool: torch.Tensor, v_pool: torch.Tensor, pages: list[int], ctx: int,
-                window: int) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+                window: int, dtype: torch.dtype | None = None
+                ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
         """(start, K, V) of each window [start, min(start + window, ctx)) of a request's history
         (pages: the request's page list), K/V on the device as [tokens, H, D]: the next window is
         loaded while the caller attends this one; the caller must be done with a window (on the
-        compute stream) when it asks for the next one."""
+        compute stream) when it asks for the next one. `dtype`: the staging buffers' (the copies
+        convert; default `Medium.staging_dtype`)."""
         if ctx <= 0:
             return
-        key, bufs = self._buffers(k_pool, staging_tokens(window, k_pool.shape[1]))
+        key, bufs = self._buffers(k_pool, staging_tokens(window, k_pool.shape[1]), dtype)
         consumed = self._consumed[key]
         starts = list(range(0, ctx, window))
-        pending = self._load(k_pool, v_pool, pages, starts[0], min(window, ctx), bufs[0], key, 0)
+        runs = page_runs(pages[:(ctx - 1) // k_pool.shape[1] + 1])  # once, cut per window
+        runs = (runs, [r[0] for r in runs])
+        pending = self._load(k_pool, v_pool, runs, starts[0], min(window, ctx), bufs[0], key, 0)
         for i, start in enumerate(starts):
             k, v, ready = pending
             if i + 1 < len(starts):  # overlaps with the caller's attention of this window
                 nxt = starts[i + 1]
-                pending = self._load(k_pool, v_pool, pages, nxt, min(nxt + window, ctx),
+                pending = self._load(k_pool, v_pool, runs, nxt, min(nxt + window, ctx),
                                      bufs[(i + 1) % 2], key, (i + 1) % 2)
             self.medium.compute_waits(ready)
             yield start, k, v
             consumed[i % 2] = self.medium.compute_event()
 
-    def _load(self, k_pool, v_pool, pages, start, end, buf, key, which):
+    def _load(self, k_pool, v_pool, runs, start, end, buf, key, which):
         """Tokens [start, end) of the request into staging buffer `which`: one copy per run of
-        consecutive pages, on the copy stream, after the compute stream is done with the buffer."""
+        consecutive pages (`runs`: the request's page runs and their first indices), on the copy
+        stream, after the compute stream is done with the buffer."""
         P = k_pool.shape[1]
         first, last = start // P, (end - 1) // P
         bk, bv = buf
         m = self.medium
         with m.on_copy_stream():
             m.copy_waits(self._consumed[key][which])
-            for idx, page, n in page_runs(pages[first:last + 1]):
+            for idx, page, n in clip_runs(runs[0], first, last, runs[1]):
                 rows = slice(idx * P, (idx + n) * P)
                 m.copy(bk[rows], k_pool[page:page + n].flatten(0, 1))
                 m.copy(bv[rows], v_pool[page:page + n].flatten(0, 1))
@@ -262,8 +296,9 @@ class PagedHistory:
                  pages: list[int]):
         self.transfer, self.k_pool, self.v_pool, self.pages = transfer, k_pool, v_pool, pages
 
-    def windows(self, ctx: int, window: int) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
-        return self.transfer.windows(self.k_pool, self.v_pool, self.pages, ctx, window)
+    def windows(self, ctx: int, window: int, dtype: torch.dtype | None = None
+                ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+        return self.transfer.windows(self.k_pool, self.v_pool, self.pages, ctx, window, dtype)
 
 
 class Transfers:

@@ -3,8 +3,8 @@
 For query tokens at positions ``[ctx, ctx + n)`` and a history of ``ctx`` tokens kept in the host
 tier, the history is attended window by window (``window_tokens`` at a time, each window copied to
 the query's device), and the new tokens' own K/V with the causal mask; the partial results are
-combined by the log-sum-exp rule with vLLM's ``merge_attn_states`` (its torch fallback on CPU).
-The result equals softmax attention over the concatenated K/V.
+combined by the log-sum-exp rule (``Partials``): on a GPU with vLLM's ``merge_attn_states`` as each
+partial comes, on the CPU in groups. The result equals softmax attention over the concatenated K/V.
 """
 
 from __future__ import annotations
@@ -81,28 +81,83 @@ def merge(*args) -> None:
 
 def _flash(q, k, v, scale, causal):
     """torch's fused attention kernels that also return the LSE (CPU: float32 in/out)."""
-    T, Hq, D = q.shape
-    Hkv = k.shape[1]
-    rep = Hq // Hkv
+    if not causal:
+        out, lse = WindowQuery(q, scale).attend(k, v)
+        return out.float(), lse.float()
+    rep = q.shape[1] // k.shape[1]
     if q.device.type == "cpu":
         op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
         q, k, v = q.float(), k.float(), v.float()
     else:
         op = torch.ops.aten._scaled_dot_product_flash_attention
-    if rep > 1 and not causal:
-        # GQA without copying K/V rep times: the rep query heads of a KV head become rep x more
-        # query rows of that head (row t*rep + r); without a mask, rows are independent.
-        qf = q.reshape(T, Hkv, rep, D).transpose(0, 1).reshape(1, Hkv, T * rep, D)
-        res = op(qf, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0), 0.0, False,
-                 scale=scale)
-        out = res[0][0].reshape(Hkv, T, rep, -1).transpose(0, 1).reshape(T, Hq, -1)
-        lse = res[1][0].reshape(Hkv, T, rep).transpose(1, 2).reshape(Hq, T)
-        return out.float(), lse.float()
     qh = q.transpose(0, 1).unsqueeze(0)
     kh = k.repeat_interleave(rep, 1).transpose(0, 1).unsqueeze(0)
     vh = v.repeat_interleave(rep, 1).transpose(0, 1).unsqueeze(0)
     res = op(qh, kh, vh, 0.0, causal, scale=scale)
     return res[0][0].transpose(0, 1).float(), res[1][0].float()
+
+
+# Query rows (tokens x query heads per KV head) from which a bf16 model's windows are attended in
+# bf16 on a CPU with AMX: torch's CPU flash kernel runs bf16 on AMX tiles there, 1.9-2x faster than
+# float32 from 64 rows up, slower for a decode token (2 rows: 32 us against 20 us on a 2-core Xeon).
+BF16_MIN_ROWS = 32
+_AMX: bool | None = None
+
+
+def cpu_kernel_dtype(dtype: torch.dtype, rows: int) -> torch.dtype:
+    """The dtype a window is attended in on the CPU: bf16 for a bf16 model's windows of at least
+    BF16_MIN_ROWS query rows on a CPU with AMX (each partial rounded to bf16, as the model's own
+    attention output is, and merged in float32), else float32."""
+    global _AMX
+    if dtype != torch.bfloat16 or rows < BF16_MIN_ROWS:
+        return torch.float32
+    if _AMX is None:
+        try:
+            _AMX = bool(torch.cpu._is_amx_tile_supported())
+        except Exception:  # noqa: BLE001 - an older torch: no AMX path
+            _AMX = False
+    return torch.bfloat16 if _AMX else torch.float32
+
+
+class WindowQuery:
+    """A request's query prepared once for the windows of its history (plain scores, no mask: the
+    fused kernel): GQA without copying K/V rep times, the rep query heads of a KV head becoming
+    rep x more query rows of that head (row t*rep + r; without a mask rows are independent);
+    float32 on the CPU. ``attend(k, v)`` with a window's K/V [S, Hkv, D] gives
+    (out [T, Hq, Dv], lse [Hq, T]) without redoing the query's layout per window; calling it
+    returns None instead of raising where the kernel refuses (the caller falls back).
+
+    ``dtype``: what the kernel runs in (the CPU: `cpu_kernel_dtype`, float32 unless given; a GPU:
+    the query's); K/V of another dtype are converted (the CPU's staging buffers already are)."""
+
+    def __init__(self, q: torch.Tensor, scale: float, dtype: torch.dtype | None = None):
+        self.q, self.scale = q, scale
+        self.T, self.Hq = q.shape[0], q.shape[1]
+        self.cpu = q.device.type == "cpu"
+        self.dtype = dtype or (torch.float32 if self.cpu else q.dtype)
+        self.op = (torch.ops.aten._scaled_dot_product_flash_attention_for_cpu if self.cpu
+                   else torch.ops.aten._scaled_dot_product_flash_attention)
+        self._qf: dict[int, torch.Tensor] = {}  # per KV head count
+
+    def attend(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        T, Hq, Hkv = self.T, self.Hq, k.shape[1]
+        rep = Hq // Hkv
+        qf = self._qf.get(Hkv)
+        if qf is None:
+            qf = self._qf[Hkv] = (self.q.to(self.dtype).reshape(T, Hkv, rep, -1).transpose(0, 1)
+                                  .reshape(1, Hkv, T * rep, -1))
+        k, v = k.to(self.dtype), v.to(self.dtype)
+        res = self.op(qf, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0), 0.0,
+                      False, scale=self.scale)
+        out = res[0][0].reshape(Hkv, T, rep, -1).transpose(0, 1).reshape(T, Hq, -1)
+        lse = res[1][0].reshape(Hkv, T, rep).transpose(1, 2).reshape(Hq, T)
+        return out, lse
+
+    def __call__(self, k: torch.Tensor, v: torch.Tensor):
+        try:
+            return self.attend(k, v)
+        except (RuntimeError, NotImplementedError):
+            return None
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -162,30 +217,104 @@ def windowed_attention(q: torch.Tensor, new_k: torch.Tensor, new_v: torch.Tensor
     copied into staging buffers on a copy stream, the next window loading while this one is
     attended), or a callable ``history(start, end) -> (k, v)`` (host tensors, copied as they come)."""
     T, dtype = q.shape[0], q.dtype
+    plain = features is None or features.plain_scores
+    kernel = None  # the windows' kernel dtype (None: the query's)
     if q.device.type == "cpu" and ctx > 0:
+        kernel = cpu_kernel_dtype(dtype, T * q.shape[1] // new_k.shape[1]) if plain \
+            else torch.float32
+        wq = WindowQuery(q, scale, kernel) if plain else None
         q = q.float()  # once, not per window (the CPU kernels run in float32)
-    acc, acc_lse = attend(q, new_k, new_v, scale, 0, features, ctx, ctx)
+    else:
+        wq = WindowQuery(q, scale) if plain else None
+    parts = Partials(q.device)
+    parts.add(*attend(q, new_k, new_v, scale, 0, features, ctx, ctx))
     if hasattr(history, "windows"):
-        windows = history.windows(ctx, window)
+        windows = history.windows(ctx, window, kernel)
     else:
         windows = ((s, *history(s, min(s + window, ctx))) for s in range(0, ctx, window))
     for start, hk, hv in windows:
-        part, part_lse = attend(q, hk.to(q.device), hv.to(q.device), scale, None, features,
-                                ctx, start)
-        acc, acc_lse = _merged(part, part_lse, acc, acc_lse)
+        hk, hv = hk.to(q.device), hv.to(q.device)
+        part = wq(hk, hv) if wq is not None else None
+        parts.add(*(part or attend(q, hk, hv, scale, None, features, ctx, start)))
     if features is not None and features.sinks is not None:
         # the sink: one more logit per head in the denominator, contributing no value
         sink_lse = features.sinks.to(device=q.device, dtype=torch.float32).view(-1, 1)
-        acc, acc_lse = _merged(torch.zeros_like(acc), sink_lse.expand_as(acc_lse).contiguous(),
-                               acc, acc_lse)
+        parts.add(None, sink_lse.expand(-1, T))
+    acc = parts.result()
     if out is None:
         return acc.to(dtype)
-    out[:T].copy_(acc.to(out.dtype))
+    out[:T].copy_(acc)
     return out
 
 
-def _merged(part, part_lse, acc, acc_lse):
-    merged = torch.empty_like(acc)
-    merged_lse = torch.empty_like(acc_lse)
-    merge(merged, part, part_lse, acc, acc_lse, merged_lse)
-    return merged, merged_lse
+# Partial results the CPU keeps before merging them in one pass (a group); a decode token's are a
+# few KiB, a 2048-token chunk's of a small model 1 MiB.
+CPU_GROUP_BYTES = 16 << 20
+# Elements of a partial up to which a group is merged by one weighted sum over the stacked
+# partials (fewer op calls), beyond it by one multiply-add per partial (no stacked copy).
+SMALL_PARTIAL = 8192
+
+
+class Partials:
+    """The LSE merge of one request's partial results (out [T, H, Dv] float32, lse [H, T]).
+
+    - ``grouped=False`` (a GPU): each partial is merged into the running accumulator as it comes,
+      with vLLM's ``merge_attn_states`` (one fused kernel; no device memory beyond the two
+      accumulators the device scratch plan counts).
+    - ``grouped=True`` (the CPU, the default there): partials are kept and merged in groups of up
+      to ``group_bytes``, the running result being one of them: one weighted sum per group
+      instead of a pairwise merge per window (for a decode token a dozen op calls per window less;
+      for a prefill chunk three passes over the accumulator per window less).
+
+    A partial's ``out`` may be None (a sink: no value, its LSE only). An LSE of +inf (what
+    FlashAttention writes for an empty key range) counts as -inf: no keys."""
+
+    def __init__(self, device: torch.device, grouped: bool | None = None,
+                 group_bytes: int = CPU_GROUP_BYTES):
+        self.grouped = device.type == "cpu" if grouped is None else grouped
+        self.group_bytes = group_bytes
+        self._outs: list[torch.Tensor | None] = []
+        self._lses: list[torch.Tensor] = []
+        self._max = 0  # partials per group, from the first partial's size
+
+    def add(self, out: torch.Tensor | None, lse: torch.Tensor) -> None:
+        if not self._lses:
+            assert out is not None, "the first partial has a value"
+            self._outs.append(out.float())
+            self._lses.append(lse.float())
+            self._max = max(2, self.group_bytes // max(1, out.numel() * 4))
+            return
+        if not self.grouped:
+            acc, acc_lse = self._outs[0], self._lses[0]
+            part = torch.zeros_like(acc) if out is None else out.float()
+            merged, merged_lse = torch.empty_like(acc), torch.empty_like(acc_lse)
+            merge(merged, part, lse.contiguous(), acc, acc_lse, merged_lse)
+            self._outs[0], self._lses[0] = merged, merged_lse
+            return
+        self._outs.append(None if out is None else out.float())
+        self._lses.append(lse)
+        if len(self._lses) > self._max:
+            self._fold()
+
+    def _fold(self) -> None:
+        if len(self._lses) == 1:
+            return
+        lse = torch.stack(self._lses).float()  # [G, H, T]
+        lse = lse.masked_fill(lse == float("inf"), NEG_INF)
+        tot = torch.logsumexp(lse, 0)  # [H, T]
+        w = torch.exp(lse - torch.where(torch.isinf(tot), torch.zeros_like(tot), tot))
+        wt = w.transpose(1, 2).unsqueeze(-1)  # [G, T, H, 1]
+        kept = [i for i, o in enumerate(self._outs) if o is not None]  # sinks carry no value
+        if self._outs[0].numel() <= SMALL_PARTIAL:  # a few decode tokens: fewest op calls
+            outs = torch.stack([self._outs[i] for i in kept])  # [G, T, H, Dv], float32
+            acc = (outs * (wt if len(kept) == len(self._outs) else wt[kept])).sum(0)
+        else:  # one pass over each partial, none over a stacked copy
+            acc = self._outs[0] * wt[0]
+            for i in kept[1:]:
+                acc.addcmul_(self._outs[i], wt[i])
+        self._outs, self._lses = [acc], [tot]
+
+    def result(self) -> torch.Tensor:
+        """The merged output, float32 [T, H, Dv]."""
+        self._fold()
+        return self._outs[0]

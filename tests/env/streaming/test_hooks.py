@@ -116,6 +116,45 @@ def test_decorator_diverts_only_streaming_layers(monkeypatch, handled):
 
 
 @needs_hooks
+def test_streaming_calls_bind_their_arguments_as_inspect_does():
+    """The hook binds a streaming layer's arguments per call without inspect's cost
+    (`_bound_arguments`): the same dict as `sig.bind(...)` + `apply_defaults()` for positional,
+    keyword and defaulted arguments, keyword-only and variadic signatures (which take
+    inspect's path), and the same TypeError for a call that does not fit (the control: a
+    missing, repeated, unknown or extra argument)."""
+    import inspect
+
+    from vllm.model_executor.layers.attention import kv_transfer_utils as ktu
+
+    def op(query, key, value, output, layer_name, output_scale=None, output_block_scale=None):
+        pass
+
+    def kwonly(query, output, *, layer_name, extra=1):
+        pass
+
+    def varargs(query, *rest, output=None):
+        pass
+
+    def by_inspect(sig, args, kwargs):
+        bound = sig.bind(*args, **kwargs)
+        bound.apply_defaults()
+        return dict(bound.arguments)
+
+    sig = inspect.signature(op)
+    for s, args, kwargs in [
+            (sig, (1, 2, 3, 4, "l"), {}), (sig, (1, 2, 3, 4), {"layer_name": "l"}),
+            (sig, (1, 2, 3, 4, "l", 5), {"output_block_scale": 6}),
+            (sig, (), dict(query=1, key=2, value=3, output=4, layer_name="l")),
+            (inspect.signature(kwonly), (1, 2), {"layer_name": "x"}),
+            (inspect.signature(varargs), (1, 2, 3), {"output": 4})]:
+        assert ktu._bound_arguments(s, args, kwargs) == by_inspect(s, args, kwargs)
+    for args, kwargs in [((1, 2, 3, 4), {}), ((1, 2, 3, 4, "l"), {"query": 9}),
+                         ((1, 2, 3, 4, "l"), {"nope": 1}), ((1, 2, 3, 4, 5, 6, 7, 8), {})]:
+        with pytest.raises(TypeError):
+            ktu._bound_arguments(sig, args, kwargs)
+
+
+@needs_hooks
 def test_connector_without_hooks_is_unchanged(monkeypatch):
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 

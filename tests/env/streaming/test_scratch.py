@@ -22,13 +22,21 @@ from kvstack.streaming.transfer import Medium, Transfer
 pytestmark = needs_hooks
 
 
+class GpuLikeMedium(Medium):
+    """Staging buffers in the pool's dtype, as on a GPU, where the plan is reserved (on the CPU
+    they are float32, the CPU kernels' dtype, and nothing is reserved)."""
+
+    def staging_dtype(self, pool_dtype):
+        return pool_dtype
+
+
 @pytest.mark.parametrize("window,page", [(100, 32), (64, 32), (1024, 16)])
 def test_the_plan_counts_the_staging_buffers_transfer_allocates(window, page):
     heads, dim = 2, 8
     pool = torch.zeros(4, page, heads, dim, dtype=torch.bfloat16)
     cfg = StreamingConfig(window_tokens=window, page_tokens=page)
     p = plan(cfg, q_heads=4, kv_heads=heads, head_size=dim, dtype_bytes=2, max_tokens=64)
-    t = Transfer(Medium(torch.device("cpu")))
+    t = Transfer(GpuLikeMedium(torch.device("cpu")))
     assert t.reserve(pool, window) == p.staging
     held = [b.data_ptr() for pair in t._staging.values() for bufs in pair for b in bufs]
     # the windows of a long history come through the reserved buffers: nothing more allocated

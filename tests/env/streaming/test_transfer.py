@@ -23,7 +23,7 @@ pytest.importorskip("vllm")
 
 from kvstack.streaming.host_tier import HostStore, PagePool  # noqa: E402
 from kvstack.streaming.transfer import (  # noqa: E402
-    Medium, PagedHistory, Transfer, page_runs, slot_runs)
+    Medium, PagedHistory, Transfer, clip_runs, page_runs, slot_runs)
 from kvstack.streaming.windowed import windowed_attention  # noqa: E402
 from test_windowed import reference  # noqa: E402  (full causal attention in float64)
 
@@ -87,6 +87,25 @@ def test_page_runs_and_slot_runs():
     assert slot_runs([5], 4, 2, 1) == [(22, 0, 1)]
 
 
+def test_a_windows_runs_are_the_requests_runs_cut_to_it():
+    """clip_runs (the runs of a request's pages computed once per call, cut per window) equals
+    page_runs of the window's pages, on random page lists: consecutive, sorted with gaps, shuffled."""
+    import random
+
+    rng = random.Random(0)
+    for _ in range(2000):
+        n = rng.randint(1, 40)
+        kind = rng.choice(("consecutive", "sorted", "shuffled"))
+        pages = (list(range(5, 5 + n)) if kind == "consecutive"
+                 else sorted(rng.sample(range(60), n)) if kind == "sorted"
+                 else rng.sample(range(60), n))
+        a = rng.randint(0, n - 1)
+        b = rng.randint(a, n - 1)
+        assert clip_runs(page_runs(pages), a, b) == page_runs(pages[a:b + 1]), (pages, a, b)
+    # the control: a window cut one page short is another list of runs
+    assert clip_runs(page_runs([4, 5, 6]), 0, 1) != page_runs([4, 5, 6])
+
+
 @pytest.mark.parametrize("medium", [Medium, DeferredMedium, EagerMedium])
 @pytest.mark.parametrize("ctx,new,window,page,order", [
     (64, 1, 16, 8, "reversed"), (100, 13, 32, 16, "runs"), (37, 5, 7, 3, "reversed"),
@@ -111,6 +130,40 @@ def test_windows_through_staging_equal_full_attention(medium, ctx, new, window, 
                        ctx, window, scale, out=out)
     torch.testing.assert_close(out.double(), reference(q, k, v, scale, ctx), atol=2e-5, rtol=2e-5)
     assert t.windows_loaded == -(-ctx // window)
+
+
+@pytest.mark.parametrize("amx", [False, True])
+def test_a_bf16_models_prefill_windows_run_in_bf16_on_amx(monkeypatch, amx):
+    """On a CPU with AMX a bf16 model's windows of >= BF16_MIN_ROWS query rows are staged and
+    attended in bf16 (torch's CPU flash kernel runs them on AMX tiles, ~2x float32), a decode
+    token's and every other dtype's in float32; the result stays within bf16's rounding of full
+    attention (forced either way here, whatever this CPU has). The control: the same comparison
+    with the history's first window left out fails."""
+    from kvstack.streaming import windowed
+
+    monkeypatch.setattr(windowed, "_AMX", amx)
+    rows = windowed.BF16_MIN_ROWS
+    bf16_when_amx = torch.bfloat16 if amx else torch.float32
+    assert windowed.cpu_kernel_dtype(torch.bfloat16, rows) == bf16_when_amx
+    assert windowed.cpu_kernel_dtype(torch.bfloat16, rows - 1) == torch.float32
+    assert windowed.cpu_kernel_dtype(torch.float16, 4 * rows) == torch.float32
+    torch.manual_seed(11)
+    Hq, Hkv, D, ctx, new, window, page = 4, 2, 32, 200, 16, 64, 16  # 16 tokens x 2 = 32 rows
+    q, k, v = (torch.randn(n, h, D).bfloat16() for n, h in ((new, Hq), (ctx + new, Hkv),
+                                                            (ctx + new, Hkv)))
+    pages = list(range(-(-(ctx + new) // page)))[::-1]
+    store = HostStore(["L"], 64, page, Hkv, D, torch.bfloat16)
+    t = Transfer(Medium(torch.device("cpu")))
+    t.write_back(store.k["L"], store.v["L"], pages, 0, k[:ctx], v[:ctx])
+    out = torch.empty(new, Hq, D, dtype=torch.bfloat16)
+    windowed_attention(q, k[ctx:], v[ctx:], PagedHistory(t, store.k["L"], store.v["L"], pages),
+                       ctx, window, D ** -0.5, out=out)
+    assert {dtype for _, dtype in t._staging} == {bf16_when_amx}
+    tol = dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(out.double(), reference(q, k, v, D ** -0.5, ctx), **tol)
+    with pytest.raises(AssertionError):  # the control
+        torch.testing.assert_close(out.double(), reference(q, k[window:], v[window:], D ** -0.5,
+                                                           ctx - window), **tol)
 
 
 def test_a_missing_wait_is_caught_by_the_fake_device():

@@ -76,6 +76,42 @@ def test_fully_masked_rows_and_merge_fallback_agree():
     torch.testing.assert_close(o2, full, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("T", [3, 300])  # 300 x 4 x 8 is above SMALL_PARTIAL: the other sum
+@pytest.mark.parametrize("mode", ["pairwise", "grouped, folded every 2", "grouped, one fold"])
+def test_partials_merge_by_the_lse_rule(mode, T):
+    """Partials (windowed_attention's merge): pairwise (a GPU: vLLM's merge as each partial comes)
+    and grouped (the CPU: in groups, folded when a group is full or at the end) both equal the LSE
+    rule computed directly in float64, a sink (an LSE without a value) included; leaving one
+    partial out (the control) does not."""
+    from kvstack.streaming.windowed import SMALL_PARTIAL, Partials
+
+    torch.manual_seed(5)
+    H, D = 4, 8
+    assert (T * H * D > SMALL_PARTIAL) == (T == 300)
+    outs = [torch.randn(T, H, D) for _ in range(7)]
+    lses = [torch.randn(H, T) * 3 for _ in range(7)]
+    sink = torch.randn(H, 1).expand(H, T)
+
+    def direct(outs, lses, sink):
+        lse = torch.stack([x.double() for x in lses] + [sink.double()])
+        w = torch.softmax(lse, 0)[:-1]  # [G, H, T]; the sink takes its share of the weight
+        return torch.einsum("ght,gthd->thd", w, torch.stack(outs).double())
+
+    def merged(outs, lses):
+        grouped = mode != "pairwise"
+        group_bytes = T * H * D * 4 * 2 if mode == "grouped, folded every 2" else 1 << 30
+        p = Partials(torch.device("cpu"), grouped=grouped, group_bytes=group_bytes)
+        for o, lse in zip(outs, lses):
+            p.add(o, lse)
+        p.add(None, sink)
+        return p.result()
+
+    torch.testing.assert_close(merged(outs, lses).double(), direct(outs, lses, sink),
+                               atol=1e-5, rtol=1e-5)
+    control = merged(outs[:3] + outs[4:], lses[:3] + lses[4:]).double()
+    assert not torch.allclose(control, direct(outs, lses, sink), atol=1e-3)
+
+
 def test_page_pool_reuse_and_free():
     pool = PagePool(num_pages=8, page_tokens=4)
     toks = list(range(20))
