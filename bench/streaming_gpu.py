@@ -41,10 +41,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-# the connector's copy planning (kvstack/streaming/transfer.py imports only torch; the working tree
-# a GPU machine gets holds it, so nothing needs carrying)
+# the connector's copy planning and its window attention (kvstack/streaming/transfer.py and
+# windowed.py import only torch, vLLM's merge only when it is there; the working tree a GPU machine
+# gets holds them, so nothing needs carrying)
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from kvstack.streaming.transfer import slot_runs  # noqa: E402
+from kvstack.streaming.windowed import WindowQuery  # noqa: E402
 
 NEG_INF = float("-inf")
 GIB = 1 << 30
@@ -332,12 +334,8 @@ class Attention:
     def _one(self, q, k, v, causal):
         g = self.geo
         T = q.shape[0]
-        if not causal:
-            qf = q.reshape(T, g.hkv, g.rep, g.d).transpose(0, 1).reshape(1, g.hkv, T * g.rep, g.d)
-            res = self.op(qf, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0), 0.0,
-                          False, scale=g.scale)
-            out = res[0][0].reshape(g.hkv, T, g.rep, g.d).transpose(0, 1).reshape(T, g.hq, g.d)
-            lse = res[1][0].reshape(g.hkv, T, g.rep).transpose(1, 2).reshape(g.hq, T)
+        if not causal:  # the connector's window attention (windowed.WindowQuery), in q's dtype
+            out, lse = WindowQuery(q, g.scale, q.dtype).attend(k, v)
             return out, lse.float()
         assert k.shape[0] == T, "causal partials are square (new tokens over themselves)"
         kh = k.repeat_interleave(g.rep, 1).transpose(0, 1).unsqueeze(0)

@@ -106,9 +106,7 @@ def test_help_works_without_cuda():
     assert proc.returncode == 0 and "--decode" in proc.stdout and "--window-mib" in proc.stdout
 
 
-def test_window_plan_covers_each_history_once():
-    """The page-table-driven copy plan: every streamed token copied exactly once, runs of
-    consecutive pool pages coalesced, windows never over budget, requests contiguous per window."""
+def _bench_module():
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("streaming_gpu", SCRIPT)
@@ -118,6 +116,38 @@ def test_window_plan_covers_each_history_once():
         spec.loader.exec_module(mod)
     finally:
         del sys.modules[spec.name]
+    return mod
+
+
+def test_the_bench_attends_windows_with_the_connectors_code(monkeypatch):
+    """Issue 32, point 1 (as far as it goes): the bench's window attention (a partial over a
+    window, no mask) is the connector's `windowed.WindowQuery`, not a copy of it; the control:
+    the bench's result follows a change made to the connector's class."""
+    import torch
+
+    from kvstack.streaming import windowed
+
+    mod = _bench_module()
+    assert mod.WindowQuery is windowed.WindowQuery
+    geo = mod.Geometry(layers=1, hq=4, hkv=2, d=16, page=16, dtype=torch.float32)
+    attn = mod.Attention(torch.device("cpu"), geo, "cpu_flash")
+    torch.manual_seed(0)
+    q, k, v = torch.randn(3, 4, 16), torch.randn(40, 2, 16), torch.randn(40, 2, 16)
+    out, lse = attn(q, k, v, [0, 3], [0, 40], False)
+    ref_out, ref_lse = windowed.attend_reference(q, k, v, geo.scale)
+    torch.testing.assert_close(out.float(), ref_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
+    real = windowed.WindowQuery.attend
+    monkeypatch.setattr(windowed.WindowQuery, "attend",
+                        lambda self, k, v: tuple(x + 1 for x in real(self, k, v)))
+    out2, _ = attn(q, k, v, [0, 3], [0, 40], False)
+    assert torch.allclose(out2, out + 1)
+
+
+def test_window_plan_covers_each_history_once():
+    """The page-table-driven copy plan: every streamed token copied exactly once, runs of
+    consecutive pool pages coalesced, windows never over budget, requests contiguous per window."""
+    mod = _bench_module()
     page, window = 32, 5 * 32
     pool = 300
     hist = [(mod.page_table(90, pool, "shuffled", 1), 0, 2500),
