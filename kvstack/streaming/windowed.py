@@ -98,8 +98,9 @@ def _flash(q, k, v, scale, causal):
 
 
 # Query rows (tokens x query heads per KV head) from which a bf16 model's windows are attended in
-# bf16 on a CPU with AMX: torch's CPU flash kernel runs bf16 on AMX tiles there, 1.9-2x faster than
-# float32 from 64 rows up, slower for a decode token (2 rows: 32 us against 20 us on a 2-core Xeon).
+# bf16 on a CPU with AMX: torch's CPU flash kernel runs bf16 on AMX tiles there; over a 1024-token
+# window on one core of a Xeon with AMX 1.3x faster than float32 at 32 rows, 1.7-1.9x from 64 up,
+# slower for a decode token (2 rows: 32 us against 20 us).
 BF16_MIN_ROWS = 32
 _AMX: bool | None = None
 
@@ -212,8 +213,9 @@ def windowed_attention(q: torch.Tensor, new_k: torch.Tensor, new_v: torch.Tensor
     """Causal attention of q (positions ctx..ctx+T-1) over history [0, ctx) + new K/V.
 
     ``history`` gives the history's K/V one window at a time, so only a window or two of it are
-    on the query's device at once: either an object with ``windows(ctx, window)`` yielding
-    ``(start, k, v)`` on the query's device (transfer.PagedHistory: the connector's path, page runs
+    on the query's device at once: either an object with ``windows(ctx, window, dtype)`` yielding
+    ``(start, k, v)`` on the query's device, in ``dtype`` where one is given (the CPU's kernel
+    dtype; transfer.PagedHistory: the connector's path, page runs
     copied into staging buffers on a copy stream, the next window loading while this one is
     attended), or a callable ``history(start, end) -> (k, v)`` (host tensors, copied as they come)."""
     T, dtype = q.shape[0], q.dtype
@@ -223,7 +225,7 @@ def windowed_attention(q: torch.Tensor, new_k: torch.Tensor, new_v: torch.Tensor
         kernel = cpu_kernel_dtype(dtype, T * q.shape[1] // new_k.shape[1]) if plain \
             else torch.float32
         wq = WindowQuery(q, scale, kernel) if plain else None
-        q = q.float()  # once, not per window (the CPU kernels run in float32)
+        q = q.float()  # the new tokens' partial and the reference path run in float32
     else:
         wq = WindowQuery(q, scale) if plain else None
     parts = Partials(q.device)
