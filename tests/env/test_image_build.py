@@ -292,6 +292,7 @@ def test_base_image_without_python311_fails_early_naming_it(store):
     if not image_exists(NOPY_BASE_IMAGE):
         run(["bash", "scripts/make_base_image.sh", "--builder", "buildah", "--include", "ca-certificates",
              "--tag", NOPY_BASE_IMAGE], log=OUT / "make-base-nopython.log", timeout=900)
+
     def build():
         return run(["bash", "scripts/docker_build.sh", "--builder", "buildah", "--base", KVSTACK_BASE, "--target",
                     "cpu", "--base-image", NOPY_BASE_IMAGE, "--tag", "kvstack:nopython"], check=False, timeout=900,

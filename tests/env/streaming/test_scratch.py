@@ -24,7 +24,7 @@ pytestmark = needs_hooks
 
 class GpuLikeMedium(Medium):
     """Staging buffers in the pool's dtype, as on a GPU, where the plan is reserved (on the CPU
-    they are float32, the CPU kernels' dtype, and nothing is reserved)."""
+    they are in the window kernel's dtype, float32 or bf16, and nothing is reserved)."""
 
     def staging_dtype(self, pool_dtype):
         return pool_dtype
