@@ -125,7 +125,7 @@ def engine_main(argv=None) -> int:
     if args.mamba_state_at_load:
         mamba = _watch_mamba_state_at_load(llm, noise=args.mamba_state_at_load == "noise")
     sp = SamplingParams(temperature=0, max_tokens=args.max_tokens)
-    tokens, cached, reset_ok = [], [], []
+    tokens, cached, reset_ok, drained = [], [], [], []
     for p in json.loads(Path(args.prompts).read_text()):
         if args.reset_prefix_cache:
             reset_ok.append(reset_prefix_cache(llm, tries=20))
@@ -133,11 +133,41 @@ def engine_main(argv=None) -> int:
         tokens.append(list(out.outputs[0].token_ids))
         # With vLLM's own prefix cache off or reset, these are the connector's external hit tokens.
         cached.append(int(out.num_cached_tokens or 0))
+        if args.port:
+            drained.append(drain_stores(llm))
     cfg = llm.llm_engine.vllm_config.cache_config
     print(json.dumps({"tokens": tokens, "cached": cached, "block_size": cfg.block_size,
-                      "reset_ok": reset_ok, "mamba_state": mamba}), flush=True)
-    time.sleep(2.0)  # stores to the server are asynchronous
+                      "reset_ok": reset_ok, "drained": drained, "mamba_state": mamba}), flush=True)
+    if None in drained:
+        time.sleep(2.0)  # could not wait for the acknowledgements: give the stores time to land
     os._exit(0)
+
+
+def drain_stores(llm, timeout: float = 120.0) -> bool | None:
+    """Wait until the LMCache server has acknowledged the stores of every finished request; True
+    when it has, False at the timeout, None where this vLLM cannot be drained this way.
+
+    The connector saves asynchronously: a finished request's blocks stay held (the request stays
+    in the scheduler's `requests`) until the worker reports the server's acknowledgement, which
+    the scheduler takes in only at an engine step; generate() returns before that. A lookup sent
+    meanwhile (the next prompt, or a new engine once this one exits) can miss chunks the server
+    has not stored yet: seen on a loaded 2-core machine (engine A's own repeat hit 0 of 192
+    tokens). Empty engine steps let the worker poll the store futures until none is left."""
+    core = getattr(getattr(llm.llm_engine, "engine_core", None), "engine_core", None)
+    sched = getattr(core, "scheduler", None)
+    if sched is None or not hasattr(sched, "requests"):
+        return None
+    deadline = time.monotonic() + timeout
+    while sched.requests:
+        # An engine step runs only while the scheduler has work; one that does not count a
+        # request held for its store (older vLLM) never polls the worker: nothing to wait on.
+        if not sched.has_requests():
+            return None
+        if time.monotonic() > deadline:
+            return False
+        llm.llm_engine.step()
+        time.sleep(0.02)
+    return True
 
 
 def _watch_mamba_state_at_load(llm, noise: bool) -> dict:
@@ -240,6 +270,32 @@ def _known_limit(*texts: str) -> str | None:
     return None
 
 
+# LMCache's own words when its client gives up on the server: the heartbeat's degraded mode (a
+# ping unanswered within lmcache.mp.heartbeat_interval, 10 s) makes every lookup answer 0 until a
+# ping succeeds again; a lookup not acknowledged within mq_timeout does the same.
+LMCACHE_DEGRADED = re.compile(r"LMCache server is unhealthy|entering degraded mode")
+LMCACHE_TROUBLE = re.compile(r"unhealthy|degraded mode|timed? ?out|Bypassing LMCache|failed", re.I)
+
+
+def short_hit_report(out: dict, server_log: Path) -> str:
+    """What a short hit is reported with: the hits, whether the engine saw its stores acknowledged,
+    LMCache's warnings in the engine's output and the server log's tail."""
+    trouble = [ln[-300:] for ln in out.get("log", "").splitlines() if LMCACHE_TROUBLE.search(ln)]
+    tail = server_log.read_text(errors="replace").splitlines()[-20:]
+    return (f"cached {out.get('cached')}, stores acknowledged {out.get('drained')}; LMCache's "
+            f"warnings in the engine: {trouble[-10:] or 'none'}; server log tail:\n" + "\n".join(tail))
+
+
+def rerun_if_degraded(out: dict, expect: list[int], server_log: Path, rerun) -> dict:
+    """A new engine whose lookup missed because LMCache's client had declared the server gone
+    (LMCACHE_DEGRADED in its output: a loaded machine answered a heartbeat ping late) runs once
+    more; any other short hit stands and fails the test with short_hit_report."""
+    if out.get("cached") == expect or not LMCACHE_DEGRADED.search(out.get("log", "")):
+        return out
+    print("engine in LMCache's degraded mode, once more: " + short_hit_report(out, server_log))
+    return rerun()
+
+
 def _check_engine_ok(out: dict, what: str) -> None:
     if out["returncode"] != 0 or "tokens" not in out:
         raise AssertionError(f"{what} failed ({out['returncode']}): {out.get('error')}\n{out['log'][-8000:]}")
@@ -275,18 +331,14 @@ if __name__ != "__main__":
             _check_engine_ok(a, "engine A")
             b = run_engine(tmp_path, "llama", model, [PROMPT_LLAMA], mnbt=64, port=port)
             _check_engine_ok(b, "engine B")
-            if b["cached"] == [0]:
-                # Seen once in a CI run (2026-11-27, both cores busy with other tests' engines),
-                # not alone: engine B's first lookup missed chunks engine A had just hit. One
-                # retry in another new process, with the server's log tail for the record; the
-                # retry must hit.
-                print(f"engine B missed (cached {b['cached']}); server log tail:\n"
-                      + "\n".join(log.read_text(errors="replace").splitlines()[-20:]))
-                b = run_engine(tmp_path, "llama", model, [PROMPT_LLAMA], mnbt=64, port=port)
-                _check_engine_ok(b, "engine B (retry)")
+            b = rerun_if_degraded(b, [192], log, lambda: run_engine(
+                tmp_path, "llama", model, [PROMPT_LLAMA], mnbt=64, port=port))
+            _check_engine_ok(b, "engine B")
+            # Each prompt's stores were acknowledged before the next lookup (drain_stores).
+            assert a["cached"] == [0, 192], "engine A: " + short_hit_report(a, log)
+            assert b["cached"] == [192], "engine B: " + short_hit_report(b, log)
         assert a["tokens"] == [base["tokens"][0]] * 2 and b["tokens"] == base["tokens"]
-        assert a["cached"] == [0, 192], a["cached"]
-        assert b["cached"] == [192], b["cached"]
+        assert a["drained"] == [True, True], a["drained"]
 
     def _lmcache_serves_hybrid_on_cpu() -> bool:
         """LMCache 0.5.6 with kvstack's patch 0009 (base 0.32) serves hybrid models on a CPU
@@ -326,9 +378,16 @@ if __name__ != "__main__":
                     pytest.xfail(f"LMCache MP route cannot serve a hybrid model on a CPU worker: {why}")
             _check_engine_ok(a, "engine A")
             assert a["block_size"] == blk, a["block_size"]
+            whole = len(PROMPT_QWEN) // blk * blk  # 576: the whole chunks before the last prompt token
+            assert a["cached"] == [0, whole], "engine A: " + short_hit_report(a, log)
             b = run_engine(tmp_path, "qwen3next", model, [PROMPT_QWEN], port=port, mamba_state="watch",
                            **engine)
             _check_engine_ok(b, "engine B")
+            b = rerun_if_degraded(b, [whole], log, lambda: run_engine(
+                tmp_path, "qwen3next", model, [PROMPT_QWEN], port=port, mamba_state="watch",
+                **engine))
+            _check_engine_ok(b, "engine B")
+            assert b["cached"] == [whole], "engine B: " + short_hit_report(b, log)
             c = run_engine(tmp_path, "qwen3next", model, [PROMPT_QWEN], port=port, mamba_state="noise",
                            **engine)
             _check_engine_ok(c, "control engine C")
@@ -336,9 +395,6 @@ if __name__ != "__main__":
         # vLLM's own prefix cache was really reset before each prompt: the hits are LMCache's.
         assert a["reset_ok"] == [True, True] and b["reset_ok"] == [True] == c["reset_ok"], \
             (a["reset_ok"], b["reset_ok"], c["reset_ok"])
-        whole = len(PROMPT_QWEN) // blk * blk  # 576: the whole chunks before the last prompt token
-        assert a["cached"] == [0, whole], a["cached"]
-        assert b["cached"] == [whole], b["cached"]
         assert "Retrieved %d tokens" % whole in server_log, server_log[-4000:]
         assert a["tokens"] == [base["tokens"][0]] * 2 and b["tokens"] == base["tokens"], \
             (base["tokens"], a["tokens"], b["tokens"])
