@@ -224,10 +224,9 @@ def windowed_attention(q: torch.Tensor, new_k: torch.Tensor, new_v: torch.Tensor
     if q.device.type == "cpu" and ctx > 0:
         kernel = cpu_kernel_dtype(dtype, T * q.shape[1] // new_k.shape[1]) if plain \
             else torch.float32
-        wq = WindowQuery(q, scale, kernel) if plain else None
+    wq = WindowQuery(q, scale, kernel) if plain else None
+    if kernel is not None:
         q = q.float()  # the new tokens' partial and the reference path run in float32
-    else:
-        wq = WindowQuery(q, scale) if plain else None
     parts = Partials(q.device)
     parts.add(*attend(q, new_k, new_v, scale, 0, features, ctx, ctx))
     if hasattr(history, "windows"):
