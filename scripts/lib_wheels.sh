@@ -18,7 +18,10 @@ fetch_wheel() {
   fi
   if [ ! -f "$wheels/$file" ]; then
     step "downloading $file"
-    pip_q download --no-deps --only-binary=:all: -d "$wheels" "$project==$version"
+    # `===` (the exact version string), not `==`: under `==`, torch 2.13.0+cpu in a find-links folder
+    # (the cpu wheel cache used as an image build's wheelhouse, a machine's /opt/wheels) satisfies
+    # torch==2.13.0 and pip takes it instead of the CUDA build
+    pip_q download --no-deps --only-binary=:all: -d "$wheels" "$project===$version"
   fi
   [ -f "$wheels/$file" ] || { echo "error: the registry did not provide $file" >&2; exit 4; }
   local got; got=$(sha256sum "$wheels/$file" | cut -d' ' -f1)

@@ -33,9 +33,11 @@ def ensure_tools() -> None:
     if os.geteuid() != 0 or not shutil.which("apt-get"):
         pytest.skip(f"needs {', '.join(missing)} (install them, or run as root on Debian/Ubuntu)")
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    cmd = ["apt-get", "install", "-y", "--no-install-recommends", *missing]
+    # two test workers may get here at once (both image tests): wait for dpkg's lock, not fail on it
+    apt = ["apt-get", "-o", "DPkg::Lock::Timeout=600"]
+    cmd = [*apt, "install", "-y", "--no-install-recommends", *missing]
     if subprocess.run(cmd, env=env, capture_output=True).returncode != 0:
-        subprocess.run(["apt-get", "update"], env=env, capture_output=True, check=True)
+        subprocess.run([*apt, "update"], env=env, capture_output=True, check=True)
         subprocess.run(cmd, env=env, capture_output=True, check=True)
 
 

@@ -1,6 +1,7 @@
-"""`.ci/run`, CI's entry point: runs `make test` with CI=1 from the repository root, ends with the
-run's wall time, and exits with make's status (a `make` stand-in on PATH: the real `make test`
-is what CI runs around this test)."""
+"""`.ci/run`, CI's entry point: installs the tests' Debian packages where missing
+(scripts/ci_packages.sh, progress on stderr), runs `make test` with CI=1 from the repository root,
+ends with the run's wall time, and exits with make's status (a `make` stand-in on PATH: the real
+`make test` is what CI runs around this test)."""
 
 from __future__ import annotations
 
@@ -36,3 +37,26 @@ def test_a_failing_run_still_prints_its_time_and_keeps_the_status(tmp_path):
     res = run_with_make(tmp_path, 3)
     assert res.returncode == 3
     assert res.stdout.strip().splitlines()[-1].endswith("exit status 3"), res.stdout
+
+
+def test_ci_packages_lists_what_is_missing_and_changes_nothing_with_check(tmp_path):
+    """--check names the missing packages without installing; with a PATH holding none of the
+    tools they are all missing (the control: the same PATH with them finds them installed)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in ("bash", "id", "sed"):
+        (bin_dir / tool).symlink_to(subprocess.run(["which", tool], capture_output=True, text=True,
+                                                   check=True).stdout.strip())
+    script = str(REPO / "scripts" / "ci_packages.sh")
+    res = subprocess.run(["bash", script, "--check"], capture_output=True, text=True,
+                         env={"PATH": str(bin_dir)}, timeout=60)
+    assert res.returncode == 0 and res.stdout == "", res.stdout + res.stderr
+    assert "missing: buildah mmdebstrap redis-server" in res.stderr, res.stderr
+    bad = subprocess.run(["bash", script, "--bogus"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "unknown argument --bogus" in bad.stderr
+    for tool in ("buildah", "mmdebstrap", "redis-server"):
+        (bin_dir / tool).write_text("#!/bin/sh\n")
+        (bin_dir / tool).chmod(0o755)
+    res = subprocess.run(["bash", script, "--check"], capture_output=True, text=True,
+                         env={"PATH": str(bin_dir)}, timeout=60)
+    assert res.returncode == 0 and "installed" in res.stderr and "missing" not in res.stderr, res.stderr
