@@ -17,16 +17,15 @@ case "${1:-}" in
   --check|"") ;;
   *) echo "error: unknown argument $1 (see --help)" >&2; exit 2;;
 esac
-declare -A tool=([buildah]=buildah [mmdebstrap]=mmdebstrap [redis-server]=redis-server)
 missing=()
-for pkg in buildah mmdebstrap redis-server; do
-  command -v "${tool[$pkg]}" >/dev/null 2>&1 || missing+=("$pkg")
+for pkg in buildah mmdebstrap redis-server; do  # each package's command has its name
+  command -v "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
 done
 say() { echo "[ci_packages] $*" >&2; }
 if [ ${#missing[@]} -eq 0 ]; then say "buildah, mmdebstrap, redis-server: installed"; exit 0; fi
 if [ "${1:-}" = --check ]; then say "missing: ${missing[*]}"; exit 0; fi
 if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1; then
-  say "missing: ${missing[*]} (not root or no apt-get: not installed here; the tests that need them skip)"
+  say "missing: ${missing[*]} (not root or no apt-get: not installed here; the tests that need them skip, or fail under CI)"
   exit 0
 fi
 apt=(apt-get -o DPkg::Lock::Timeout=600 -y --no-install-recommends)
