@@ -62,3 +62,12 @@ def on_default_base() -> bool:
     tests/conftest.py sets from the venv, names the base they run on)."""
     default = (REPO / "vllm" / "default").read_text().strip()
     return os.environ.get("KVSTACK_BASE", default) == default
+
+
+def default_base_only(why: str):
+    """A skip mark for the other bases (CI time: `make test` runs each base's engine tests on the
+    subset that differs between bases). `why`: what makes this check the same on every base (kvstack's
+    own code, a user path the docs show on the default base) and what checks the other bases instead."""
+    import pytest
+
+    return pytest.mark.skipif(not on_default_base(), reason=f"default base only (CI time): {why}")

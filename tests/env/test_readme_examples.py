@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from kvtest import default_base_only
+
 REPO = Path(__file__).resolve().parents[2]
 README = REPO / "README.md"
 
@@ -151,6 +153,12 @@ def token_lists(stdout: str) -> list[list[int]]:
     return [ast.literal_eval(ln) for ln in stdout.splitlines() if re.fullmatch(r"\[[\d, ]*\]", ln.strip())]
 
 
+EXAMPLE_BASE = default_base_only("the README's examples run on the default base, as `make env` builds it; "
+                                 "the other bases' engines run the same connectors in tests/env/streaming "
+                                 "and tests/env/lmcache")
+
+
+@EXAMPLE_BASE
 def test_streaming_example_runs_as_written():
     out = run(heredocs()["streaming"]).stdout
     (toks,) = token_lists(out)
@@ -159,6 +167,7 @@ def test_streaming_example_runs_as_written():
     assert stats["pages_in_use"] == 0 and stats["failed_host_tier_full"] == 0
 
 
+@EXAMPLE_BASE
 def test_lmcache_example_runs_as_written():
     """The repeat restores the K/V and the state at 96 with the first run's tokens; the negative
     control runs the block again with every restored state zeroed (tests/env/lmcache/fault_site,

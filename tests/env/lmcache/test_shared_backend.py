@@ -27,6 +27,7 @@ pytest.importorskip("vllm")
 pytest.importorskip("lmcache")
 
 from kvstack.testbed.backend_servers import start_or_skip as _start, stop as _stop  # noqa: E402
+from kvtest import default_base_only  # noqa: E402
 from test_e2e_cpu import (PROMPT_A, PROMPT_EXT, QWEN_STEPS, _disk_env, qwen_baseline,  # noqa: E402,F401
                           qwen_model, run_engine, tiny)
 
@@ -35,7 +36,11 @@ BATCH_EXT = [p + [5 + k, 6, 7, 8] * 2 for k, p in enumerate(BATCH)]  # 8 tokens 
 BATCH_STEPS = ("--max-num-batched-tokens", "512")  # the three prefills in one step
 
 
-@pytest.mark.parametrize("backend", ["lmcache_server", "redis"])
+@pytest.mark.parametrize("backend", [
+    pytest.param("lmcache_server", marks=default_base_only(
+        "the other bases restore through redis here, and lmcache_server carries their hybrid state in "
+        "test_lmcache_server.py (remote) and test_backend_stall.py")),
+    "redis"])
 def test_second_engine_process_restores_kv_and_state_from_the_backend(backend, qwen_model, tmp_path,
                                                                        qwen_baseline):
     model = qwen_model  # the long-memory GDN copy (hybrid_models.py): a wrong state shows
@@ -87,7 +92,11 @@ def batch_reference(qwen_model, tmp_path_factory):
     return out["tokens"]
 
 
-@pytest.mark.parametrize("backend", ["disk", "redis"])
+@pytest.mark.parametrize("backend", [
+    pytest.param("disk", marks=default_base_only(
+        "the other bases run the batch through redis here, and a new process restoring from local "
+        "disk in test_e2e_cpu.py")),
+    "redis"])
 def test_new_process_restores_states_a_concurrent_batch_saved(backend, qwen_model, tmp_path,
                                                               batch_reference):
     server = None

@@ -30,6 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from kvtest import default_base_only
 from vllm_server import (
     LMCACHE_PORT,
     ROOT,
@@ -269,6 +270,8 @@ def test_prompt_over_max_model_len_is_400_and_server_keeps_serving(server, expec
     assert server.complete(AFTER_400["after400"], MAX_TOKENS, client) == expected["after400"]
 
 
+@default_base_only("the 200-request load and leak check; this base's server runs every other test of this "
+                   "file (offline tokens, concurrency, repeat hits, the restored state with its control)")
 @pytest.mark.parametrize("server", ["local-cpu"], indirect=True)  # the costly one: one backend
 def test_bench_serve_no_failures_and_flat_memory(server):
     """200 requests, 4 at a time, none failed; resident memory of the server's process tree

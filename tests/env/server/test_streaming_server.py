@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from kvtest import default_base_only
 from vllm_server import ROOT, OfflineRun, Server, bench_serve, serving
 
 pytestmark = [pytest.mark.env, pytest.mark.slow, pytest.mark.streaming_hooks]
@@ -135,6 +136,8 @@ def test_connector_metrics_on_prometheus(server, expected):
     assert after["vllm:kvstack_host_tier_pages_cached"] >= len(p) // 32  # kept for reuse
 
 
+@default_base_only("the 200-request load and leak check of kvstack's connector, the same code on every "
+                   "base; this base's server runs every other test of this file")
 def test_bench_serve_no_failures_and_flat_memory(server):
     """200 requests, 4 at a time, none failed; the server's resident memory after them is within
     5% of its value after a warm-up of the same size and shape (another seed). A shorter warm-up
