@@ -6,6 +6,7 @@ ends with the run's wall time, and exits with make's status (a `make` stand-in o
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -45,8 +46,7 @@ def test_ci_packages_lists_what_is_missing_and_changes_nothing_with_check(tmp_pa
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     for tool in ("bash", "id", "sed"):
-        (bin_dir / tool).symlink_to(subprocess.run(["which", tool], capture_output=True, text=True,
-                                                   check=True).stdout.strip())
+        (bin_dir / tool).symlink_to(shutil.which(tool))
     script = str(REPO / "scripts" / "ci_packages.sh")
     res = subprocess.run(["bash", script, "--check"], capture_output=True, text=True,
                          env={"PATH": str(bin_dir)}, timeout=60)
