@@ -104,6 +104,16 @@ def _host_line() -> str:
     return f"kvstack host: {describe_host()}; base {os.environ.get(BASE_ENV, '(default)')}"
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadfile` hands out the longest expected test module first (tests/longest_first.py)."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from longest_first import make_scheduler
+
+    return make_scheduler(config, log)
+
+
 def pytest_report_header(config):
     """Which machine the suite ran on (AMX or not decides the CPU engine's exactness dtype)."""
     return _host_line()

@@ -156,6 +156,74 @@ if os.environ.get(RESULTS_ENV) and os.environ.get("KVSTACK_OVERLAY"):
 _plugin_outcomes: dict[str, dict] = {}
 _RANK = {PASSED: 0, SKIPPED: 1, XFAILED: 1, FAILED: 2}
 
+# Upstream's conftest runs cleanup_dist_env_and_memory() after every test: gc.unfreeze(), then a
+# full gc.collect() over the heap of an imported vLLM: about 0.5 s a test on the 2-core CI machine,
+# 80% of the selection's time (tests/v1/core/test_kv_cache_utils.py: 98 s, 20 s without it). vLLM
+# unfreezes because its engines freeze their heap after start-up. The run freezes the heap once,
+# after collection (the imports), and during the cleanup of a test from a file that starts no
+# engine and no distributed environment (ENGINE_SOURCE, the `dist_init` fixture) that heap stays
+# frozen: everything else of upstream's cleanup runs as written (the envs cache reset, the model
+# parallel groups, a full collection of what was made since the freeze). Tests of the other files get the
+# unfreeze too, and the heap is frozen again after them. KVSTACK_UPSTREAM_GLOBAL_CLEANUP=all unfreezes
+# after every test. The patched run and the unpatched rerun treat the same tests alike.
+ENGINE_SOURCE = re.compile(r"\bLLM\(|\bLLMEngine\b|\bAsyncLLM\b|init_distributed_environment|"
+                           r"initialize_model_parallel|ensure_model_parallel_initialized")
+CLEANUP_ENV = "KVSTACK_UPSTREAM_GLOBAL_CLEANUP"
+_plugin_frozen_cleanups: list[int] = [0]
+_plugin_sources: dict[str, bool] = {}
+
+
+def keeps_full_cleanup(source: str, fixturenames) -> bool:
+    """Whether a test's cleanup unfreezes the whole heap, as upstream's does: its file starts an
+    engine or a distributed environment, or it uses `dist_init`."""
+    return bool(ENGINE_SOURCE.search(source)) or "dist_init" in fixturenames
+
+
+def _starts_engine(path: str) -> bool:
+    if path not in _plugin_sources:
+        try:
+            _plugin_sources[path] = keeps_full_cleanup(Path(path).read_text(errors="replace"), ())
+        except OSError:
+            _plugin_sources[path] = True
+    return _plugin_sources[path]
+
+
+def pytest_collection_finish(session) -> None:
+    if os.environ.get(RESULTS_ENV) and os.environ.get(CLEANUP_ENV) != "all":
+        import gc
+
+        gc.collect()
+        gc.freeze()
+
+
+def _no_unfreeze() -> None:
+    pass
+
+
+try:
+    import pytest as _pytest
+
+    @_pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_teardown(item, nextitem):
+        import gc
+
+        frozen = (bool(os.environ.get(RESULTS_ENV)) and os.environ.get(CLEANUP_ENV) != "all"
+                  and not _starts_engine(str(item.fspath))
+                  and not keeps_full_cleanup("", getattr(item, "fixturenames", ())))
+        real = gc.unfreeze
+        if frozen:
+            gc.unfreeze = _no_unfreeze
+            _plugin_frozen_cleanups[0] += 1
+        try:
+            yield
+        finally:
+            gc.unfreeze = real
+            if bool(os.environ.get(RESULTS_ENV)) and os.environ.get(CLEANUP_ENV) != "all" \
+                    and not frozen:
+                gc.freeze()  # after upstream's unfreeze and collection: the heap as it is now
+except ImportError:  # the runner half without pytest
+    pass
+
 
 def _plugin_record(nodeid: str, outcome: str, phase: str, message: str) -> None:
     prev = _plugin_outcomes.get(nodeid)
@@ -221,7 +289,8 @@ def pytest_sessionfinish(session, exitstatus) -> None:
                           str(getattr(m, "__file__", None) or "").startswith(overlay_dir))
         f.write(json.dumps({"meta": True, "exitstatus": int(exitstatus),
                             "vllm_file": getattr(vllm, "__file__", None),
-                            "python": sys.executable, "overlaid": overlaid}) + "\n")
+                            "python": sys.executable, "overlaid": overlaid,
+                            "frozen_heap_cleanups": _plugin_frozen_cleanups[0]}) + "\n")
 
 
 # --------------------------------------------------------------------------------------------
@@ -625,6 +694,9 @@ def run_suite(paths: list[str] | None = None, *, base: str | None = None,
         raise RuntimeError(f"pytest exited {rc} with {len(results)} results (see {log}):\n{tail}")
     summary = summarize(results, ledger, paths, bool(keyword or extra), wall=wall, work=work,
                         vllm_file=vllm_file, pytest_exit=rc, base=base)
+    print(f"[upstream-tests] {meta.get('frozen_heap_cleanups', 0)} of {len(results)} tests cleaned up "
+          f"with the import-time heap kept frozen (files that start no engine; {CLEANUP_ENV}=all "
+          f"unfreezes after every test); {wall:.0f} s", file=out, flush=True)
     if unpatched:
         summary.unpatched = rerun_unpatched(results, base=base, python=python, site=Path(site),
                                             work=work, timeout=timeout, out=out)

@@ -25,6 +25,7 @@ from kvstack.testbed.upstream_tests import (
     LedgerEntry,
     compare,
     default_paths,
+    keeps_full_cleanup,
     default_python,
     ledger_file,
     read_ledger,
@@ -132,6 +133,21 @@ def test_hub_stand_in_is_config_only_and_loads(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
+def test_only_engine_files_unfreeze_the_heap_in_upstreams_cleanup():
+    """The run keeps the import-time heap frozen through upstream's per-test cleanup (its full
+    collection over vLLM's imports was 80% of the selection's time) except for tests of files that
+    start an engine or a distributed environment, whose cleanup unfreezes as upstream's does."""
+    assert keeps_full_cleanup("llm = LLM(model=path, enforce_eager=True)", ())
+    assert keeps_full_cleanup("init_distributed_environment(world_size=1, rank=0)", ())
+    assert keeps_full_cleanup("", ("tmp_path", "dist_init"))
+    assert not keeps_full_cleanup("scheduler = create_scheduler(vllm_config)", ("tmp_path",))
+    if SDIST_TESTS.is_dir():
+        unit = SDIST_TESTS / "v1" / "kv_connector" / "unit"
+        assert keeps_full_cleanup((unit / "test_multi_connector.py").read_text(), ())
+        core = SDIST_TESTS / "v1" / "core"
+        assert not keeps_full_cleanup((core / "test_kv_cache_utils.py").read_text(), ())
+
+
 def test_upstream_regression(capsys):
     if not (SDIST_TESTS / "conftest.py").is_file():
         pytest.fail(f"the vLLM sdist of base {BASE} is not fetched: run "

@@ -119,3 +119,82 @@ def test_the_make_target_runs_both_passes():
     one = subprocess.run(["make", "-n", "--no-print-directory", "test-base", "TEST_JOBS=0",
                           "VENV=.venv-none", "BASE=0.32"], cwd=REPO, capture_output=True, text=True)
     assert '-m "not serial"' in one.stdout and "--dist" not in one.stdout, one.stdout  # one process
+
+
+# -- the parallel pass's order: longest module first (tests/longest_first.py) -------------------------
+
+def test_longest_first_order_and_estimates(tmp_path):
+    import longest_first as lf
+
+    seconds = {"tests/a.py": 10.0, "tests/b.py": 300.0}
+    # a module it does not know: a base plus a second per test
+    assert lf.expected_seconds("tests/new.py", 5, seconds) == lf.UNKNOWN_BASE_S + 5 * lf.UNKNOWN_PER_TEST_S
+    assert lf.order({"tests/a.py": 50, "tests/new.py": 3, "tests/b.py": 1}, seconds) == [
+        "tests/b.py", "tests/new.py", "tests/a.py"]
+    # a base's own figures win over another base's; a missing or broken file means no figures
+    f = tmp_path / "s.json"
+    f.write_text(json.dumps({"0.32": {"tests/a.py": 1.0}, "0.25": {"tests/a.py": 2.0, "tests/b.py": 3.0}}))
+    assert lf.load_seconds("0.32", f) == {"tests/a.py": 1.0, "tests/b.py": 3.0}
+    assert lf.load_seconds(None, tmp_path / "none.json") == {}
+    f.write_text("{")
+    assert lf.load_seconds("0.32", f) == {}
+
+
+def test_module_seconds_from_junit(tmp_path):
+    import longest_first as lf
+
+    (tmp_path / "tests" / "env").mkdir(parents=True)
+    (tmp_path / "tests" / "env" / "test_x.py").write_text("")
+    junit = tmp_path / "parallel-0.32.xml"
+    junit.write_text('<testsuites><testsuite name="pytest">'
+                     '<testcase classname="tests.env.test_x" name="a" time="1.5"/>'
+                     '<testcase classname="tests.env.test_x.TestY" name="b" time="2.0"/>'
+                     '<testcase classname="tests.gone" name="c" time="9"/></testsuite></testsuites>')
+    assert lf.seconds_from_junit(junit, tmp_path) == {"tests/env/test_x.py": 3.5}
+
+
+def test_committed_module_seconds_name_existing_modules():
+    """A renamed module would silently fall back to the unknown estimate: the file names only
+    modules that exist (regenerate it with `python tests/longest_first.py build/junit/parallel-*.xml`)."""
+    table = json.loads((REPO / "tests" / "module_seconds.json").read_text())
+    assert table, "tests/module_seconds.json is empty"
+    gone = [m for modules in table.values() for m in modules if not (REPO / m).is_file()]
+    assert not gone, gone
+
+
+@pytest.mark.parametrize("longest_first", [True, False])
+def test_xdist_hands_out_the_longest_module_first(tmp_path, longest_first):
+    """One worker runs the modules in the order the scheduler hands them out: with the figures file
+    the module it says is longest goes first though it has the fewest tests. The control (xdist's own
+    loadfile order, the hook not installed): the module with the most tests goes first."""
+    if not _has_xdist():
+        pytest.skip("pytest-xdist is not installed in this interpreter")
+    hook = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(REPO / 'tests')!r})
+
+        def pytest_xdist_make_scheduler(config, log):
+            from longest_first import make_scheduler
+            return make_scheduler(config, log)
+    """) if longest_first else ""
+    (tmp_path / "conftest.py").write_text(hook)
+    log = tmp_path / "order.log"
+    for name, n in (("test_many", 6), ("test_some", 3), ("test_one", 1)):
+        (tmp_path / f"{name}.py").write_text(textwrap.dedent(f"""
+            import pytest
+
+            @pytest.mark.parametrize("i", range({n}))
+            def test_it(i):
+                open({str(log)!r}, "a").write("{name}\\n")
+        """))
+    seconds = tmp_path / "seconds.json"
+    seconds.write_text(json.dumps({"x": {"test_one.py": 500.0, "test_some.py": 100.0, "test_many.py": 5.0}}))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}
+    env.update(KVSTACK_MODULE_SECONDS=str(seconds), KVSTACK_BASE="x")
+    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "1",
+                          "--dist", "loadfile", "test_many.py", "test_some.py", "test_one.py"],
+                         cwd=tmp_path, capture_output=True, text=True, env=env)
+    assert res.returncode == 0, res.stdout + res.stderr
+    ran = list(dict.fromkeys(log.read_text().split()))
+    want = ["test_one", "test_some", "test_many"] if longest_first else ["test_many", "test_some", "test_one"]
+    assert ran == want, (ran, res.stdout)

@@ -31,7 +31,7 @@ pytest.importorskip("vllm")
 pytest.importorskip("lmcache")
 
 from kvstack.testbed.backend_servers import start_or_skip, stop  # noqa: E402
-from kvtest import on_default_base  # noqa: E402
+from kvtest import default_base_only  # noqa: E402
 from test_hybrid_short_load import PREFIX, qwen_model, run  # noqa: E402,F401
 
 STALLED = [PREFIX + [k + 20, k + 21, k + 22] * 10 for k in range(20)]  # each would hit 768
@@ -81,8 +81,7 @@ def summary(out) -> tuple[list[float], int]:
 # test: a stall request's median 0.10 s against the 1.5 s bound, the control's 6.1 s).
 # CI time (40-60 s per engine run here): the other base stalls one backend (lmcache_server) and runs
 # no control; the default base stalls both and runs the control.
-DEFAULT_ONLY = pytest.mark.skipif(not on_default_base(), reason="default base only (CI time): the "
-                                  "other base stalls the lmcache_server")
+DEFAULT_ONLY = default_base_only("the other base stalls the lmcache_server")
 
 
 @pytest.mark.parametrize("backend", [pytest.param("redis", marks=DEFAULT_ONLY), "lmcache_server"])

@@ -50,7 +50,7 @@ import time
 
 import pytest
 
-from kvtest import on_default_base
+from kvtest import default_base_only
 from vllm_server import ROOT, Server, with_fault_site
 
 pytest.importorskip("vllm")
@@ -60,8 +60,7 @@ from kvstack.testbed import tiny_models  # noqa: E402
 from kvstack.testbed.backend_servers import start_or_skip, stop  # noqa: E402
 
 pytestmark = [pytest.mark.env, pytest.mark.slow,
-              pytest.mark.skipif(not on_default_base(), reason="runs on the default base only "
-                                 "(CI time); this base: test_cross_engine_keys.py, test_request_keys.py")]
+              default_base_only("this base: test_cross_engine_keys.py, test_request_keys.py")]
 
 CHUNK = 32
 MAX_TOKENS = 8

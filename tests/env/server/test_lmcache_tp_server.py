@@ -26,12 +26,11 @@ import time
 import pytest
 
 import test_lmcache_server as lm
-from kvtest import on_default_base
+from kvtest import default_base_only
 from vllm_server import ROOT, Server, serving, with_fault_site
 
 pytestmark = [pytest.mark.env, pytest.mark.slow, pytest.mark.serial,
-              pytest.mark.skipif(not on_default_base(), reason="runs on the default base only "
-                                 "(CI time)")]
+              default_base_only("this base's hybrid LMCache at TP 1: test_lmcache_server.py")]
 
 SERVE = [lm.LONG_SERVE[0], "--tensor-parallel-size", "2", "--distributed-executor-backend", "mp",
          *lm.LONG_SERVE[1:]]

@@ -27,7 +27,7 @@ import threading
 
 import pytest
 
-from kvtest import on_default_base
+from kvtest import default_base_only
 from vllm_server import ROOT, OfflineRun, Server, serving
 
 # CI time: runs on the default base; both bases run the admission case offline
@@ -35,8 +35,7 @@ from vllm_server import ROOT, OfflineRun, Server, serving
 # Not serial: C must reach the engine while B runs, which a busier core only makes likelier (B's
 # 300 tokens take longer); passed on one core of a parallel-pass worker, the other core busy
 pytestmark = [pytest.mark.env, pytest.mark.slow, pytest.mark.streaming_hooks,
-              pytest.mark.skipif(not on_default_base(), reason="runs on the default base only "
-                                 "(CI time); this base: test_host_tier_full.py, test_reset_cache.py")]
+              default_base_only("this base: test_host_tier_full.py, test_reset_cache.py")]
 
 MODEL = "build/tiny-models/llama4"
 PAGE_BYTES = 32 * 2 * 2 * 32 * 2  # page tokens x (K, V) x KV heads x head_dim x bf16, one layer

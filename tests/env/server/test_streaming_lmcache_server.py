@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from kvtest import on_default_base
+from kvtest import default_base_only
 from vllm_server import ENGINE_RUN, ROOT, OfflineRun, Server, serving
 
 sys.path.insert(0, str(ENGINE_RUN.parent))
@@ -22,8 +22,7 @@ from engine_run import with_streaming_config  # noqa: E402
 
 # CI time: runs on the default base; both bases run the same engine offline (test_with_lmcache.py).
 pytestmark = [pytest.mark.env, pytest.mark.slow, pytest.mark.streaming_hooks,
-              pytest.mark.skipif(not on_default_base(), reason="runs on the default base only "
-                                 "(CI time); this base: tests/env/streaming/test_with_lmcache.py")]
+              default_base_only("this base: tests/env/streaming/test_with_lmcache.py")]
 
 MODEL = "build/tiny-models/llama"
 KV_TRANSFER = with_streaming_config(r"layers\.1\.", 32)

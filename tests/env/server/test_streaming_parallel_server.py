@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 import test_streaming_server as st
-from kvtest import on_default_base
+from kvtest import default_base_only
 from vllm_server import ROOT, OfflineRun, Server, serving
 
 
@@ -27,8 +27,7 @@ from vllm_server import ROOT, OfflineRun, Server, serving
 # Both bases passed this file on 2026-11-24.
 # serial: TP 2 / PP 2 bind one core per rank (`make test` runs it alone, with every core)
 pytestmark = [pytest.mark.env, pytest.mark.slow, pytest.mark.streaming_hooks, pytest.mark.serial,
-              pytest.mark.skipif(not on_default_base(), reason="runs on the default base only "
-                                 "(CI time); this base's TP/PP streaming: check_streaming.py")]
+              default_base_only("this base's TP/PP streaming: check_streaming.py")]
 
 PARALLEL = {"tp2": ["--tensor-parallel-size", "2", "--distributed-executor-backend", "mp"],
             "pp2": ["--pipeline-parallel-size", "2", "--distributed-executor-backend", "mp"]}

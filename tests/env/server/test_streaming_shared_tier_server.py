@@ -15,13 +15,12 @@ import json
 import pytest
 
 import test_streaming_server as st
-from kvtest import on_default_base
+from kvtest import default_base_only
 from vllm_server import LMCACHE_PORT, ROOT, OfflineRun, Server, free_port, lmcache_server, serving
 
 # CI time: runs on the default base; the shared tier itself is tested on both (test_shared_tier.py).
 pytestmark = [pytest.mark.env, pytest.mark.slow, pytest.mark.streaming_hooks,
-              pytest.mark.skipif(not on_default_base(), reason="runs on the default base only "
-                                 "(CI time); this base's shared tier: test_shared_tier.py")]
+              default_base_only("this base's shared tier: test_shared_tier.py")]
 
 PAGE = 128  # fewer, larger objects: lmcache_server answers each small object after a delayed ACK
 KV_TRANSFER = {**st.KV_TRANSFER, "kv_connector_extra_config": {

@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.env, pytest.mark.slow, needs_hooks]
 
 REPO = Path(__file__).resolve().parents[3]
 SMALL = ["--rounds", "1", "--reps", "1", "--ttft-context", "1500", "--ttft-batched-tokens", "512",
-         "--tpot-context", "1200", "--tpot-tokens", "4", "--serve-prompts", "4",
+         "--tpot-context", "1200", "--tpot-tokens", "4", "--tpot-requests", "2", "--serve-prompts", "4",
          "--serve-lens", "600", "--serve-rounds", "1", "--max-multiple", "4",
          "--reuse-prefix", "512"]
 
