@@ -25,8 +25,8 @@ from kvstack.testbed.upstream_tests import (
     LedgerEntry,
     compare,
     default_paths,
-    keeps_full_cleanup,
     default_python,
+    keeps_full_cleanup,
     ledger_file,
     read_ledger,
     run_suite,
@@ -131,8 +131,6 @@ def test_hub_stand_in_is_config_only_and_loads(tmp_path, monkeypatch):
         assert json.loads(open(got).read()) == json.loads((HUB_SOURCE / org / name / "config.json").read_text())
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(1800)
 def test_only_engine_files_unfreeze_the_heap_in_upstreams_cleanup():
     """The run keeps the import-time heap frozen through upstream's per-test cleanup (its full
     collection over vLLM's imports was 80% of the selection's time) except for tests of files that
@@ -148,6 +146,8 @@ def test_only_engine_files_unfreeze_the_heap_in_upstreams_cleanup():
         assert not keeps_full_cleanup((core / "test_kv_cache_utils.py").read_text(), ())
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
 def test_upstream_regression(capsys):
     if not (SDIST_TESTS / "conftest.py").is_file():
         pytest.fail(f"the vLLM sdist of base {BASE} is not fetched: run "
