@@ -163,9 +163,9 @@ _RANK = {PASSED: 0, SKIPPED: 1, XFAILED: 1, FAILED: 2}
 # after collection (the imports), and during the cleanup of a test from a file that starts no
 # engine and no distributed environment (ENGINE_SOURCE, the `dist_init` fixture) that heap stays
 # frozen: everything else of upstream's cleanup runs as written (the envs cache reset, the model
-# parallel groups, a full collection of what was made since the freeze). Tests of the other files get the
-# unfreeze too, and the heap is frozen again after them. KVSTACK_UPSTREAM_GLOBAL_CLEANUP=all unfreezes
-# after every test. The patched run and the unpatched rerun treat the same tests alike.
+# parallel groups, a full collection of what was made since the freeze). Tests of the other files
+# get the unfreeze too, and the heap is frozen again after them.
+# KVSTACK_UPSTREAM_GLOBAL_CLEANUP=all unfreezes after every test. The patched run and the unpatched rerun treat the same tests alike.
 ENGINE_SOURCE = re.compile(r"\bLLM\(|\bLLMEngine\b|\bAsyncLLM\b|init_distributed_environment|"
                            r"initialize_model_parallel|ensure_model_parallel_initialized")
 CLEANUP_ENV = "KVSTACK_UPSTREAM_GLOBAL_CLEANUP"
@@ -188,8 +188,13 @@ def _starts_engine(path: str) -> bool:
     return _plugin_sources[path]
 
 
+def _freezing() -> bool:
+    """Inside the upstream run (not the runner half), unless KVSTACK_UPSTREAM_GLOBAL_CLEANUP=all."""
+    return bool(os.environ.get(RESULTS_ENV)) and os.environ.get(CLEANUP_ENV) != "all"
+
+
 def pytest_collection_finish(session) -> None:
-    if os.environ.get(RESULTS_ENV) and os.environ.get(CLEANUP_ENV) != "all":
+    if _freezing():
         import gc
 
         gc.collect()
@@ -207,8 +212,7 @@ try:
     def pytest_runtest_teardown(item, nextitem):
         import gc
 
-        frozen = (bool(os.environ.get(RESULTS_ENV)) and os.environ.get(CLEANUP_ENV) != "all"
-                  and not _starts_engine(str(item.fspath))
+        frozen = (_freezing() and not _starts_engine(str(item.fspath))
                   and not keeps_full_cleanup("", getattr(item, "fixturenames", ())))
         real = gc.unfreeze
         if frozen:
@@ -218,8 +222,7 @@ try:
             yield
         finally:
             gc.unfreeze = real
-            if bool(os.environ.get(RESULTS_ENV)) and os.environ.get(CLEANUP_ENV) != "all" \
-                    and not frozen:
+            if _freezing() and not frozen:
                 gc.freeze()  # after upstream's unfreeze and collection: the heap as it is now
 except ImportError:  # the runner half without pytest
     pass
