@@ -10,7 +10,7 @@
 # scripts and the interpreter: it is kept in $KVSTACK_CACHE/venvs/<base>-<hash of those> (the two
 # newest per base stay), and a new venv of the same inputs (a fresh clone's) starts as a copy.
 # A venv names its own path only in bin/ (the scripts' #! lines, activate) and pyvenv.cfg: those
-# are rewritten for the copy's path.
+# are rewritten for the copy's path (scripts/venv_copy.sh).
 # A venv that already has its pinned wheels (build_env.sh's .kvstack-deps stamp) is left as it is.
 # Environment: KVSTACK_VENV, KVSTACK_CACHE (default ~/.cache/kvstack), PYTHON as build_env.sh;
 #   KVSTACK_VENV_CACHE=0 builds without the cache; KVSTACK_BUILD_ENV (default scripts/build_env.sh).
@@ -49,14 +49,7 @@ snap="$cache/venvs/$base-$key"
 if [ "${KVSTACK_VENV_CACHE:-1}" != 0 ] && [ -f "$snap/venv/.kvstack-deps" ] && [ -f "$snap/origin" ]; then
   step "base $base: the pinned wheels' venv from the cache ($snap)"
   t0=$SECONDS
-  origin=$(cat "$snap/origin")
-  rm -rf "$venv" "$venv.partial"
-  cp -a "$snap/venv" "$venv.partial"
-  rm -rf "$venv.partial/bin/__pycache__"  # bytecode of bin/'s scripts, compiled at the old path
-  pattern=$(printf '%s' "$origin" | sed 's/[][\.*^$|]/\\&/g')
-  { grep -rlIZ -F -- "$origin" "$venv.partial/bin" "$venv.partial/pyvenv.cfg" || true; } |
-    xargs -0 -r sed -i "s|$pattern|$venv|g"
-  mv "$venv.partial" "$venv"
+  bash "$root/scripts/venv_copy.sh" "$snap/venv" "$venv" "$(cat "$snap/origin")"
   step "  copied to $venv in $((SECONDS - t0)) s"
   exit 0
 fi

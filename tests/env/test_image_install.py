@@ -8,7 +8,11 @@ set the way the image sets them (KVSTACK_BASE = that base, TARGET=cpu, KVSTACK_S
 context, i.e. this checkout filtered by .dockerignore, KVSTACK_VENV = a temp dir,
 KVSTACK_PYTHON = this Python 3.11, as in the cpu base image). Then, inside the new venv: the final
 stage's `kvstack doctor`, the SBOM and metadata files, and a tiny-model generation (`kvstack demo`).
-One install per session (~2-4 minutes from the wheel and pip caches, ~6 GB of disk, removed after).
+One install per session (~2-4 minutes from the wheel and pip caches, ~6 GB of disk, removed after). The
+deps stage's venv is kept in kvstack's cache under the hash of that stage's inputs (its instructions,
+the files it copies, the build arguments, the interpreter: kvstack.testbed.venv_snapshot), the way a
+builder's layer cache keeps the image's deps layer: a later run starts from a copy (~30 s) and runs
+the final stage on it. ``KVSTACK_VENV_CACHE=0`` runs both stages anew.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import pytest
 
 from kvstack.release.patchstack import PACKAGE, read_series, touched_paths
 from kvstack.release.pins import COMPONENTS, default_base, load_base, load_pin
+from kvstack.testbed import venv_snapshot
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests"))
@@ -33,13 +38,24 @@ from test_dockerfile import build_context_files, run_command, stages  # noqa: E4
 pytestmark = pytest.mark.slow
 
 
-def install_command() -> str:
-    """The deps stage's RUN (--deps-only: the pinned wheels, the image's cached layer), then the final
-    stage's (the rest), as one bash script: the two steps the image runs, in its order."""
+def install_commands() -> tuple[str, str]:
+    """The deps stage's RUN (--deps-only: the pinned wheels, the image's cached layer) and the final
+    stage's (the rest): the two steps the image runs, in its order."""
     runs = [run_command(a) for stage in ("deps", "final") for i, a in stages()[stage] if i == "RUN"]
     assert len(runs) == 2, runs
     assert all("scripts/install_image.sh" in r for r in runs) and "--deps-only" in runs[0]
-    return " && ".join(runs)
+    return runs[0], runs[1]
+
+
+def deps_inputs(base: str) -> list:
+    """What the deps stage's result depends on, as a builder's layer cache sees it: the stage's
+    instructions, the files its COPY lines bring in (this base's pin files, the install scripts), the
+    build arguments; the interpreter is in venv_snapshot's key."""
+    ins = stages()["deps"]
+    files = [REPO / src.replace("${KVSTACK_BASE}", base)
+             for i, a in ins if i == "COPY" for src in a.split()[:-1]]
+    assert files and all(f.is_file() for f in files), files
+    return [repr(ins), f"KVSTACK_BASE={base} TARGET=cpu", *files]
 
 
 @pytest.fixture(scope="module")
@@ -56,8 +72,17 @@ def image_venv(tmp_path_factory):
     env = {**os.environ, "KVSTACK_BASE": default_base(), "TARGET": "cpu", "KVSTACK_SRC": str(src), "KVSTACK_VENV": str(prefix),
            "KVSTACK_PYTHON": sys.executable}
     env.pop("PYTHONPATH", None)
-    res = subprocess.run(["bash", "-c", install_command()], capture_output=True, text=True, env=env, timeout=1800,
-                         cwd=root)
+    deps, final = install_commands()
+
+    def run_deps(venv: Path) -> None:
+        res = subprocess.run(["bash", "-c", deps], capture_output=True, text=True, env={**env, "KVSTACK_VENV": str(venv)},
+                             timeout=1800, cwd=root)
+        assert res.returncode == 0, "the deps stage failed:\n" + res.stdout[-4000:] + res.stderr[-4000:]
+
+    # the deps stage's venv: cached by its inputs (the image's deps layer is, by the builder)
+    print("\nimage install: " + venv_snapshot.provide(prefix, f"image-deps-cpu-{default_base()}",
+                                                      deps_inputs(default_base()), run_deps))
+    res = subprocess.run(["bash", "-c", final], capture_output=True, text=True, env=env, timeout=1800, cwd=root)
     yield prefix, res
     shutil.rmtree(root, ignore_errors=True)
 

@@ -21,10 +21,14 @@ must fail on them alone, naming the uninstall command, and `vllm --version` must
 serve`` of the tiny llama with the StreamingConnector (imported from the installed wheel) answers one
 request through the ``openai`` client.
 
-Cost (CI is over budget): one venv, ~3.5 GB, removed after; the pinned wheels come from kvstack's
-wheel cache, the requirements from the package index through pip (and its cache, where it keeps one),
-installed with ``--no-compile`` (half the install time on 2 cores). 2-4 minutes on the 2-core machine
-(the phases' times are printed under ``-s``). Default base only (see `pytestmark`).
+Cost (CI's budget): one venv, ~3.5 GB, removed after; the pinned wheels come from kvstack's wheel
+cache, the requirements from the package index through pip (and its cache, where it keeps one),
+installed with ``--no-compile`` (half the install time on 2 cores), ~2 minutes on the 2-core machine.
+The venv after that install depends only on its inputs (INSTALL_PAIR, the pin files, the scripts it
+sources, the interpreter): kvstack.testbed.venv_snapshot keeps it in kvstack's cache under their hash
+and a later run starts from a copy (~25 s), as `make env` does with its own venv; the README's steps
+then run on the copy, every time. ``KVSTACK_VENV_CACHE=0`` installs anew. The phases' times are
+printed under ``-s``. Default base only (see `pytestmark`).
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ import pytest
 from kvtest import REPO, on_default_base
 from kvstack.release.patchstack import PACKAGE, read_series, touched_paths
 from kvstack.release.pins import COMPONENTS, base_names, cache_dir, default_base, load_base, load_pin
+from kvstack.testbed import venv_snapshot
 
 sys.path.insert(0, str(REPO / "tests" / "env" / "server"))
 from vllm_server import BASE_ENV, Server, _die_with_parent, serving  # noqa: E402
@@ -190,6 +195,22 @@ def out(res: subprocess.CompletedProcess) -> str:
     return f"exit {res.returncode}\n{res.stdout[-4000:]}\n{res.stderr[-4000:]}"
 
 
+def pair_inputs() -> list:
+    """What the venv after INSTALL_PAIR depends on (its cache key, kvstack.testbed.venv_snapshot)."""
+    base = default_base()
+    return [INSTALL_PAIR, LMCACHE_CUDA_ONLY, f"base {base}", *(load_pin(c, base).file for c in COMPONENTS),
+            REPO / "scripts" / "lib_base.sh", REPO / "scripts" / "lib_wheels.sh"]
+
+
+def install_pair(venv: Path) -> None:
+    """A new venv with the default base's pair, installed as a user's pip does (INSTALL_PAIR)."""
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    res = subprocess.run(["bash", "-c", INSTALL_PAIR], capture_output=True, text=True, timeout=1800,
+                         env={**activated(venv), "root": str(REPO), "venv": str(venv), "KVSTACK_BASE": default_base(),
+                              "LMCACHE_CUDA_ONLY": LMCACHE_CUDA_ONLY, "wheels": str(cache_dir() / "wheels")})
+    assert res.returncode == 0, "installing the pinned pair failed:\n" + out(res)
+
+
 @pytest.fixture(scope="module")
 def own_install(tmp_path_factory):
     """The fresh venv after the pair's install and each README step, with what each step printed."""
@@ -201,13 +222,10 @@ def own_install(tmp_path_factory):
     times: dict[str, float] = {}
     t0 = time.monotonic()
     try:
-        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
         env = activated(venv)
-        res = subprocess.run(["bash", "-c", INSTALL_PAIR], capture_output=True, text=True, timeout=1800,
-                             env={**env, "root": str(REPO), "venv": str(venv), "KVSTACK_BASE": default_base(),
-                                  "LMCACHE_CUDA_ONLY": LMCACHE_CUDA_ONLY, "wheels": str(cache_dir() / "wheels")})
-        times["venv + pip install of the pair"] = time.monotonic() - t0
-        assert res.returncode == 0, "installing the pinned pair failed:\n" + out(res)
+        print("\nown install: " + venv_snapshot.provide(venv, f"own-install-{default_base()}",
+                                                        pair_inputs(), install_pair))
+        times["venv + pip install of the pair (or its cached copy)"] = time.monotonic() - t0
         src = copy_checkout(root / "kvstack")
         steps: dict = {}
         for line in STEPS:
