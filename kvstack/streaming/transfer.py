@@ -225,36 +225,39 @@ class Transfer:
         convert; default `Medium.staging_dtype`)."""
         if ctx <= 0:
             return
-        key, bufs = self._buffers(k_pool, staging_tokens(window, k_pool.shape[1]), dtype)
+        P = k_pool.shape[1]
+        key, bufs = self._buffers(k_pool, staging_tokens(window, P), dtype)
         consumed = self._consumed[key]
         starts = list(range(0, ctx, window))
-        runs = page_runs(pages[:(ctx - 1) // k_pool.shape[1] + 1])  # once, cut per window
+        runs = page_runs(pages[:(ctx - 1) // P + 1])  # once, cut per window
         runs = (runs, [r[0] for r in runs])
-        pending = self._load(k_pool, v_pool, runs, starts[0], min(window, ctx), bufs[0], key, 0)
+        # the pools as token rows (a view): a run of pages is one slice of them
+        pools = (k_pool.view(-1, *k_pool.shape[2:]), v_pool.view(-1, *v_pool.shape[2:]))
+        pending = self._load(pools, P, runs, starts[0], min(window, ctx), bufs[0], key, 0)
         for i, start in enumerate(starts):
             k, v, ready = pending
             if i + 1 < len(starts):  # overlaps with the caller's attention of this window
                 nxt = starts[i + 1]
-                pending = self._load(k_pool, v_pool, runs, nxt, min(nxt + window, ctx),
+                pending = self._load(pools, P, runs, nxt, min(nxt + window, ctx),
                                      bufs[(i + 1) % 2], key, (i + 1) % 2)
             self.medium.compute_waits(ready)
             yield start, k, v
             consumed[i % 2] = self.medium.compute_event()
 
-    def _load(self, k_pool, v_pool, runs, start, end, buf, key, which):
+    def _load(self, pools, P, runs, start, end, buf, key, which):
         """Tokens [start, end) of the request into staging buffer `which`: one copy per run of
-        consecutive pages (`runs`: the request's page runs and their first indices), on the copy
-        stream, after the compute stream is done with the buffer."""
-        P = k_pool.shape[1]
+        consecutive pages (`pools`: the K and V pools as token rows, `P` tokens a page; `runs`:
+        the request's page runs and their first indices), on the copy stream, after the compute
+        stream is done with the buffer."""
         first, last = start // P, (end - 1) // P
-        bk, bv = buf
+        (bk, bv), (kf, vf) = buf, pools
         m = self.medium
         with m.on_copy_stream():
             m.copy_waits(self._consumed[key][which])
             for idx, page, n in clip_runs(runs[0], first, last, runs[1]):
-                rows = slice(idx * P, (idx + n) * P)
-                m.copy(bk[rows], k_pool[page:page + n].flatten(0, 1))
-                m.copy(bv[rows], v_pool[page:page + n].flatten(0, 1))
+                a, s, rows = idx * P, page * P, n * P
+                m.copy(bk[a:a + rows], kf[s:s + rows])
+                m.copy(bv[a:a + rows], vf[s:s + rows])
                 self.copies += 2
             ready = m.copy_event()
         self.windows_loaded += 1

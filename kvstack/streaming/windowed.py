@@ -147,9 +147,12 @@ class WindowQuery:
         if qf is None:
             qf = self._qf[Hkv] = (self.q.to(self.dtype).reshape(T, Hkv, rep, -1).transpose(0, 1)
                                   .reshape(1, Hkv, T * rep, -1))
-        k, v = k.to(self.dtype), v.to(self.dtype)
+        if k.dtype != self.dtype:
+            k, v = k.to(self.dtype), v.to(self.dtype)
         res = self.op(qf, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0), 0.0,
                       False, scale=self.scale)
+        if T == 1:  # a decode token: rows (KV head, rep) are its query heads in order already
+            return res[0][0].reshape(1, Hq, -1), res[1][0].reshape(Hq, 1)
         out = res[0][0].reshape(Hkv, T, rep, -1).transpose(0, 1).reshape(T, Hq, -1)
         lse = res[1][0].reshape(Hkv, T, rep).transpose(1, 2).reshape(Hq, T)
         return out, lse
@@ -170,6 +173,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
     shifted by c); without it every key is visible. ``features`` (soft-cap, ALiBi) change the
     scores; ``q_pos`` / ``k_pos`` are the absolute positions of the first query / key (ALiBi)."""
     plain = features is None or features.plain_scores
+    if plain and causal_offset == 0 and q.shape[0] == 1 and k.shape[0] == 1:
+        return _self_only(q, k, v, scale)
     if plain and (causal_offset is None or (causal_offset == 0 and q.shape[0] == k.shape[0])):
         try:
             return _flash(q, k, v, scale, causal_offset is not None)
@@ -177,6 +182,18 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
             pass  # unsupported dtype/shape/device: the reference path below
     return attend_reference(q, k, v, scale, causal_offset, None if plain else features,
                             q_pos, k_pos)
+
+
+def _self_only(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token over its own key alone (a decode step's new token): the softmax of one score is 1,
+    so each query head's output is its KV head's value and its LSE the score (plain scores only).
+    A few element-wise ops instead of a kernel call on a 1 x 1 problem."""
+    Hq, Hkv = q.shape[1], k.shape[1]
+    rep = Hq // Hkv
+    lse = (q.float().reshape(Hkv, rep, -1) * k.float().reshape(Hkv, 1, -1)).sum(-1).mul_(scale)
+    out = v.float().reshape(1, Hkv, 1, -1).expand(1, Hkv, rep, -1).reshape(1, Hq, -1)
+    return out, lse.reshape(Hq, 1)
 
 
 def attend_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -231,10 +248,10 @@ def windowed_attention(q: torch.Tensor, new_k: torch.Tensor, new_v: torch.Tensor
     parts.add(*attend(q, new_k, new_v, scale, 0, features, ctx, ctx))
     if hasattr(history, "windows"):
         windows = history.windows(ctx, window, kernel)
-    else:
-        windows = ((s, *history(s, min(s + window, ctx))) for s in range(0, ctx, window))
+    else:  # host tensors, copied to the query's device as they come
+        windows = ((s, *(t.to(q.device) for t in history(s, min(s + window, ctx))))
+                   for s in range(0, ctx, window))
     for start, hk, hv in windows:
-        hk, hv = hk.to(q.device), hv.to(q.device)
         part = wq(hk, hv) if wq is not None else None
         parts.add(*(part or attend(q, hk, hv, scale, None, features, ctx, start)))
     if features is not None and features.sinks is not None:

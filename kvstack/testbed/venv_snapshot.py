@@ -31,10 +31,16 @@ KEEP = 2
 SWITCH = "KVSTACK_VENV_CACHE"
 
 
-def key_of(what: str, inputs: Iterable[str | Path], python: str = sys.executable) -> str:
-    """The hash of what the venv depends on: `what`, the interpreter (version and path), each input
-    (a file's path and bytes, or a string as given)."""
-    h = hashlib.sha256(f"{what}\n{sys.version.split()[0]} {python}\n".encode())
+def base_interpreter() -> str:
+    """The interpreter a venv made from this one runs on: this process's base interpreter (not a
+    venv's bin/python, whose path differs between checkouts while the venvs made from it do not)."""
+    return os.path.realpath(getattr(sys, "_base_executable", None) or sys.executable)
+
+
+def key_of(what: str, inputs: Iterable[str | Path]) -> str:
+    """The hash of what the venv depends on: `what`, the base interpreter (version and path), each
+    input (a file's path and bytes, or a string as given)."""
+    h = hashlib.sha256(f"{what}\n{sys.version.split()[0]} {base_interpreter()}\n".encode())
     for item in inputs:
         if isinstance(item, Path):
             h.update(f"file {item}\n".encode() + item.read_bytes() + b"\n")

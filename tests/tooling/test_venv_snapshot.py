@@ -106,3 +106,17 @@ def test_copy_script_help_and_bad_usage(tmp_path):
     assert res.returncode == 2 and "usage" in res.stderr
     res = subprocess.run(["bash", str(script), str(tmp_path), str(tmp_path / "x")], capture_output=True, text=True)
     assert res.returncode == 2 and "not a venv" in res.stderr and not (tmp_path / "x").exists()
+
+
+def test_the_key_does_not_depend_on_which_venv_asks(tmp_path):
+    """The install tests run from each checkout's own .venv: the key names the base interpreter
+    (what the new venv runs on), so a fresh clone's run finds what another clone's run kept. The
+    control: another input gives another key from the same venv."""
+    other = tmp_path / "other-venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(other)], check=True)
+    code = ("import sys; from kvstack.testbed import venv_snapshot as s; "
+            "print(s.key_of('what', sys.argv[1:]))")
+    res = subprocess.run([str(other / "bin" / "python"), "-c", code, "cmd"], capture_output=True, text=True,
+                         env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}, check=True)
+    assert res.stdout.strip() == venv_snapshot.key_of("what", ["cmd"])
+    assert venv_snapshot.key_of("what", ["cmd2"]) != venv_snapshot.key_of("what", ["cmd"])

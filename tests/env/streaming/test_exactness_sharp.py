@@ -179,9 +179,9 @@ def test_broken_host_tier_read_is_detected(streaming, native, monkeypatch):
     if streaming.kvstack_path == "windowed":
         real_load = Transfer._load  # a window's copy into its staging buffer (transfer.py)
 
-        def load_losing_page_0(self, k_pool, v_pool, pages, start, end, buf, key, which):
-            k, v, ready = real_load(self, k_pool, v_pool, pages, start, end, buf, key, which)
-            lost = max(0, min(end, k_pool.shape[1]) - start)
+        def load_losing_page_0(self, pools, page_tokens, runs, start, end, buf, key, which):
+            k, v, ready = real_load(self, pools, page_tokens, runs, start, end, buf, key, which)
+            lost = max(0, min(end, page_tokens) - start)
             if lost:
                 calls.append((start, end))
                 self.medium.compute_waits(ready)  # landed, then lost in the staging buffer

@@ -25,7 +25,7 @@ def reference(q, k, v, scale, ctx):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     "ctx,new,window,page",
-    [(0, 7, 4, 4), (64, 1, 16, 8), (64, 1, 24, 8), (100, 13, 32, 16), (37, 5, 7, 3), (96, 32, 96, 32)],
+    [(0, 7, 4, 4), (0, 1, 4, 4), (64, 1, 16, 8), (64, 1, 24, 8), (100, 13, 32, 16), (37, 5, 7, 3), (96, 32, 96, 32)],
 )
 def test_windowed_equals_full(dtype, ctx, new, window, page):
     torch.manual_seed(ctx * 31 + new + window)
@@ -150,6 +150,23 @@ def test_fused_kernel_path_equals_reference(causal):
     o2, l2 = attend_reference(q, k, v, 0.3, off)
     torch.testing.assert_close(o1, o2, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(l1, l2, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads", [(4, 2), (4, 4), (8, 1)])
+def test_a_lone_new_token_equals_the_reference(dtype, heads):
+    """A decode step's new token over itself (windowed._self_only, no kernel call): its value per
+    query head and its score as the LSE, as the reference computes them; the control: another
+    token's key changes the LSE."""
+    torch.manual_seed(5)
+    Hq, Hkv = heads
+    q, k, v = (torch.randn(1, h, 32).to(dtype) for h in (Hq, Hkv, Hkv))
+    o1, l1 = attend(q, k, v, 0.3, 0)
+    o2, l2 = attend_reference(q, k, v, 0.3, 0)
+    assert o1.shape == (1, Hq, 32) and l1.shape == (Hq, 1) and o1.dtype == l1.dtype == torch.float32
+    torch.testing.assert_close(o1, o2, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(l1, l2, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(attend(q, torch.randn_like(k), v, 0.3, 0)[1], l1)
 
 
 def test_file_backed_host_store(tmp_path):
