@@ -37,13 +37,22 @@ def base_interpreter() -> str:
     return os.path.realpath(getattr(sys, "_base_executable", None) or sys.executable)
 
 
+def _name(path: Path) -> str:
+    """A file's name in the key: its path in the checkout (the same in every clone), else its name."""
+    try:
+        return str(path.resolve().relative_to(REPO))
+    except ValueError:
+        return path.name
+
+
 def key_of(what: str, inputs: Iterable[str | Path]) -> str:
     """The hash of what the venv depends on: `what`, the base interpreter (version and path), each
-    input (a file's path and bytes, or a string as given)."""
+    input (a file's bytes and its path in the checkout, or a string as given). Nothing of the
+    checkout's own location is in it, so every clone finds what another one kept."""
     h = hashlib.sha256(f"{what}\n{sys.version.split()[0]} {base_interpreter()}\n".encode())
     for item in inputs:
         if isinstance(item, Path):
-            h.update(f"file {item}\n".encode() + item.read_bytes() + b"\n")
+            h.update(f"file {_name(item)}\n".encode() + item.read_bytes() + b"\n")
         else:
             h.update(f"text {item}\n".encode())
     return h.hexdigest()[:16]

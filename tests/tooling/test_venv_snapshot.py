@@ -120,3 +120,18 @@ def test_the_key_does_not_depend_on_which_venv_asks(tmp_path):
                          env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}, check=True)
     assert res.stdout.strip() == venv_snapshot.key_of("what", ["cmd"])
     assert venv_snapshot.key_of("what", ["cmd2"]) != venv_snapshot.key_of("what", ["cmd"])
+
+
+def test_the_key_does_not_depend_on_where_the_checkout_is(tmp_path):
+    """A file input counts by its bytes and its path in the checkout, not by the clone's location: a
+    fresh clone elsewhere finds what another kept. Two checkouts' copies of the same file (here: two
+    folders standing in for them) give one key; the control: changed bytes give another."""
+    a, b = tmp_path / "clone-a" / "vllm", tmp_path / "clone-b" / "vllm"
+    for d in (a, b):
+        d.mkdir(parents=True)
+        (d / "0.32.env").write_text("VERSION=0.32.0\n")
+    assert venv_snapshot.key_of("what", [a / "0.32.env"]) == venv_snapshot.key_of("what", [b / "0.32.env"])
+    (b / "0.32.env").write_text("VERSION=0.32.1\n")
+    assert venv_snapshot.key_of("what", [a / "0.32.env"]) != venv_snapshot.key_of("what", [b / "0.32.env"])
+    # a file of this checkout counts by its path in it
+    assert venv_snapshot._name(REPO / "vllm" / "0.32.env") == "vllm/0.32.env"
