@@ -9,15 +9,17 @@ ttft      (1) TTFT of a 24,000-token prompt (offline `vllm.LLM`): native vLLM (h
               manager on, prefix caching off, enough device KV) vs kvstack streaming (device KV
               bounded; by default the host tier is attended in place by vLLM's CPU kernel), both
               at max_model_len ~24.6K, max_num_batched_tokens 2048. Target <= 1.15x (kvstack's
-              default config). Also printed: `cpu_native_attention: false` (window_tokens 1024:
-              24 windows of history, torch kernels + LSE merge, what a GPU runs). Greedy tokens
-              compared (equal / not).
+              default config). Also printed: `cpu_native_attention: false` (torch kernels + LSE
+              merge, what a GPU runs; the connector's default window, 256 MiB of K+V capped at
+              max_model_len, so one window here; `--window-tokens 1024`: 22 windows of the
+              last chunk's history). Greedy tokens compared (equal / not).
 tpot      (2) TPOT decoding after an 8,000-token prompt (engine timestamps of the request: first
               to last token over the output tokens after the first). Native vs kvstack default
-              (target <= 1.05x) and the windowed variant (target <= 1.2x), every engine alive at
-              once in a process of its own and `--tpot-requests` requests taken in turn: the
-              figure is the median of the paired ratios (request i of kvstack / request i of
-              native), printed with their range. Greedy tokens compared.
+              (target <= 1.05x) and the windowed variant (target <= 1.2x; one window at the
+              default, 8 at `--window-tokens 1024`), every engine alive at once in a process of
+              its own and `--tpot-requests` requests taken in turn: the figure is the median of
+              the paired ratios (request i of kvstack / request i of native), printed with their
+              range. Greedy tokens compared.
 serve     (3) Serving throughput: `vllm serve` native vs with the streaming connector (same flags
               otherwise), driven by `vllm bench serve --dataset-name random --random-input-len
               {2000,8000} --random-output-len 16 --ignore-eos --num-prompts 100
@@ -35,8 +37,8 @@ reuse     (6) Prefix reuse: TTFT of a request whose long prefix is already in th
               first request with that prefix (same engine, same length).
 
     .venv/bin/python bench/streaming.py [--only ttft,tpot,serve,capacity,reuse] [--rounds 2]
-        [--reps 3] [--tpot-requests 12] [--serve-rounds 2] [--serve-prompts 100] [--serve-lens 2000,8000]
-        [--max-multiple 64] [--host-tier-path FILE]
+        [--reps 3] [--tpot-requests 12] [--window-tokens N] [--serve-rounds 2]
+        [--serve-prompts 100] [--serve-lens 2000,8000] [--max-multiple 64] [--host-tier-path FILE]
 
 At the defaults the whole bench took 305 s on 2 cores (ttft 65 s, tpot 33 s, serve 193 s,
 capacity 9 s, reuse 4 s); each section's elapsed seconds go to stderr, vLLM's log too. Needs the
@@ -76,7 +78,29 @@ BLOCK = 32
 LAYERS = 4
 PAGE_BYTES = BLOCK * 2 * 2 * 32 * 2  # one block of one layer: tokens x (K,V) x kv_heads x dim x bf16
 SECTIONS = ("ttft", "tpot", "serve", "capacity", "reuse")
-KVSTACK_CFG = dict(window_tokens=1024, page_tokens=32, host_tier_gib=0.25, prefix_reuse=False)
+KVSTACK_CFG = dict(page_tokens=32, host_tier_gib=0.25, prefix_reuse=False)
+TOKEN_BYTES = PAGE_BYTES // BLOCK  # K+V of one token of one layer
+
+
+def windowed_cfg(args) -> dict:
+    """The `cpu_native_attention: false` variant: the connector's default window (window_mib)
+    unless --window-tokens sets one."""
+    cfg = dict(KVSTACK_CFG, cpu_native_attention=False)
+    if args.window_tokens:
+        cfg["window_tokens"] = args.window_tokens
+    return cfg
+
+
+def windows_of(args, context: int, max_len: int) -> tuple[int, int]:
+    """How the windowed variant cuts `context` tokens of history: (windows, window tokens)."""
+    from kvstack.streaming.config import StreamingConfig
+
+    w = StreamingConfig.from_extra(windowed_cfg(args)).window(TOKEN_BYTES, max_len)
+    return -(-context // w), w
+
+
+def say_windows(nw: tuple[int, int]) -> str:
+    return f"{nw[0]} window{'s' if nw[0] != 1 else ''} of {nw[1]} tokens"
 
 
 def log(msg: str) -> None:
@@ -136,7 +160,7 @@ def run_ttft(model_dir, args) -> dict:
     variants = {
         "native": None,
         "kvstack": dict(KVSTACK_CFG),
-        "windowed": dict(KVSTACK_CFG, cpu_native_attention=False),
+        "windowed": windowed_cfg(args),
     }
     sp = SamplingParams(max_tokens=1, temperature=0)
     best = {k: float("inf") for k in variants}
@@ -160,17 +184,19 @@ def run_ttft(model_dir, args) -> dict:
             log(f"  ttft round {rnd + 1}/{args.rounds} {name}: best {best[name] * 1e3:.0f} ms")
     r_def = best["kvstack"] / best["native"]
     r_win = best["windowed"] / best["native"]
-    windows = -(-n // KVSTACK_CFG["window_tokens"])
+    windows = windows_of(args, n - args.ttft_batched_tokens, max_len)
     print(f"(1) TTFT at {n} tokens: native {best['native'] * 1e3:.0f} ms, kvstack "
           f"{best['kvstack'] * 1e3:.0f} ms (the host tier attended in place by vLLM's CPU kernel) "
           f"-> {r_def:.2f}x (target <= 1.15)", flush=True)
-    print(f"    TTFT with cpu_native_attention false ({windows} windows of "
-          f"{KVSTACK_CFG['window_tokens']}, torch kernels + LSE merge, the GPU path): "
+    print(f"    TTFT with cpu_native_attention false (the last chunk's history in "
+          f"{say_windows(windows)}, "
+          f"torch kernels + LSE merge, the GPU path): "
           f"{best['windowed'] * 1e3:.0f} ms -> {r_win:.2f}x", flush=True)
     print(f"    TTFT greedy tokens native vs kvstack vs windowed: {same(tokens)}; peak device KV "
           f"blocks in use: native {peak_blocks['native']}, kvstack {peak_blocks['kvstack']}",
           flush=True)
     return {"ttft_24k": f"{r_def:.2f}x", "ttft_24k_windowed": f"{r_win:.2f}x",
+            "ttft_24k_windows": "{}x{}".format(*windows),
             "ttft_tokens": "equal" if same(tokens) == "equal" else "DIFFER"}
 
 
@@ -178,7 +204,7 @@ def run_ttft(model_dir, args) -> dict:
 def tpot_variants(args) -> dict:
     variants = {"native": None, "kvstack": dict(KVSTACK_CFG)}
     if not args.no_tpot_windowed:
-        variants["windowed"] = dict(KVSTACK_CFG, cpu_native_attention=False)
+        variants["windowed"] = windowed_cfg(args)
     return variants
 
 
@@ -231,6 +257,8 @@ def run_tpot(model_dir, args) -> dict:
            "--ttft-batched-tokens", str(args.ttft_batched_tokens)]
     if args.no_tpot_windowed:
         fwd.append("--no-tpot-windowed")
+    if args.window_tokens:
+        fwd += ["--window-tokens", str(args.window_tokens)]
     procs = {name: subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--tpot-worker",
                                      name, *fwd], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                     text=True)
@@ -282,9 +310,12 @@ def run_tpot(model_dir, args) -> dict:
     res = {"tpot_8k": f"{med:.2f}x", "tpot_8k_range": f"{lo:.2f}-{hi:.2f}x"}
     if "windowed" in tpots:
         med, lo, hi = paired("windowed")
-        print(f"    TPOT with cpu_native_attention false: {ms['windowed']:.2f} ms; per pair: median "
+        windows = windows_of(args, n, n + out_n + 64)
+        print(f"    TPOT with cpu_native_attention false ({say_windows(windows)}): "
+              f"{ms['windowed']:.2f} ms; per pair: median "
               f"{med:.2f}x, range {lo:.2f}-{hi:.2f}x (target <= 1.2)", flush=True)
-        res.update(tpot_8k_windowed=f"{med:.2f}x", tpot_8k_windowed_range=f"{lo:.2f}-{hi:.2f}x")
+        res.update(tpot_8k_windowed=f"{med:.2f}x", tpot_8k_windowed_range=f"{lo:.2f}-{hi:.2f}x",
+                   tpot_8k_windows="{}x{}".format(*windows))
     print(f"    TPOT greedy tokens ({out_n} each) native vs kvstack"
           f"{' vs windowed' if 'windowed' in tpots else ''}: {same(tokens)}", flush=True)
     res["tpot_tokens"] = "equal" if same(tokens) == "equal" else "DIFFER"
@@ -473,6 +504,9 @@ def main(argv=None) -> int:
                     help="(1)-(3) max_num_batched_tokens (default: %(default)s)")
     ap.add_argument("--tpot-context", type=int, default=8000, help="(2) prompt tokens")
     ap.add_argument("--tpot-tokens", type=int, default=48, help="(2) output tokens per request")
+    ap.add_argument("--window-tokens", type=int, default=None,
+                    help="(1)/(2) window_tokens of the cpu_native_attention=false variant "
+                         "(default: the connector's, window_mib)")
     ap.add_argument("--no-tpot-windowed", action="store_true",
                     help="(2) skip the cpu_native_attention=false variant")
     ap.add_argument("--tpot-requests", type=int, default=12,

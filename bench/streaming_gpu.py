@@ -45,6 +45,7 @@ import torch
 # windowed.py import only torch, vLLM's merge only when it is there; the working tree a GPU machine
 # gets holds them, so nothing needs carrying)
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from kvstack.streaming.config import DEFAULT_WINDOW_MIB  # noqa: E402  (the connector's window)
 from kvstack.streaming.transfer import slot_runs  # noqa: E402
 from kvstack.streaming.windowed import WindowQuery  # noqa: E402
 
@@ -856,8 +857,9 @@ def parse_args(argv=None):
                     help="share of MemAvailable the host tier may take for 'max' (default 0.55)")
     ap.add_argument("--page-order", default="contiguous,shuffled",
                     help="page allocation of the host tier: contiguous, shuffled, or both")
-    ap.add_argument("--window-mib", type=float, default=256.0,
-                    help="K+V bytes of one window of one layer, MiB (default 256)")
+    ap.add_argument("--window-mib", type=float, default=DEFAULT_WINDOW_MIB,
+                    help="K+V bytes of one window of one layer, MiB (default %(default)g: the "
+                         "connector's window_mib default)")
     ap.add_argument("--prefill-tokens", type=int, default=2048)
     ap.add_argument("--decode-batch", default="1,8",
                     help="decode batch sizes (each request has the full context; when the pool "

@@ -10,7 +10,17 @@ Keys of ``kv_connector_extra_config`` (all optional):
 - ``streaming_layers``: list of regular expressions matched (``re.search``) against attention layer
   names, or ``"auto"`` (default): the NoPE global layers of iRoPE models (Llama-4:
   ``no_rope_layers[i] == 0``), else every full-attention layer.
-- ``window_tokens`` (default 1024): tokens of host-tier history attended per window.
+- ``window_mib`` (default 256): the windowed path's window in bytes: K+V of one streaming layer's
+  window in the KV cache's dtype (the rank's KV heads), rounded down to whole pages and capped at
+  ``max_model_len``. Windows are what a device holds of the history at once (two staging buffers of
+  a window each, scratch.py), so the per-window fixed costs (a copy and a kernel call) are paid
+  once per this many bytes whatever the model: 256 MiB is 65,536 tokens of an 8B model's layer
+  (8 KV heads x 128, bf16), 16 windows per layer and step at 1M tokens (the floor bench's
+  ``--window-mib`` default, the same constant). Layers whose scores the fused kernel cannot apply
+  (soft-cap, ALiBi: the float32 reference path, whose scores grow with the window) take at most
+  ``REFERENCE_WINDOW_TOKENS`` (1024) tokens a window.
+- ``window_tokens`` (default: from ``window_mib``): the window in tokens, for every streaming
+  layer; set one of the two, not both.
 - ``device_window_tokens`` (default 1): the sliding window the device KV cache of a streaming layer
   is bounded to. The connector never reads it back (attention runs over the host tier), so the
   minimum is enough; the device then holds only the blocks of the current step.
@@ -42,7 +52,7 @@ Keys of ``kv_connector_extra_config`` (all optional):
   takes as a block size: a multiple of 32 on vLLM 0.32, of 16 on 0.25), the host tier is kept in
   the kernel's cache layout and attended in place by vLLM's own CPU kernel, the whole batch in one
   call per layer, with no windows (see ``cpu_native.py``); false forces the windowed torch path
-  (what a GPU runs) everywhere. ``window_tokens`` applies to the windowed path only.
+  (what a GPU runs) everywhere. ``window_mib`` / ``window_tokens`` apply to the windowed path only.
 - ``lmcache`` (default none): the **shared tier**, a dict of LMCache config keys: full prompt pages
   of the streaming layers are also written through LMCache's storage (its StorageManager and
   backends) and a new request's prefix is looked up there after the host tier, so another engine
@@ -68,13 +78,20 @@ from dataclasses import dataclass
 from typing import Any
 
 AUTO = "auto"
+MIB = 1 << 20
+# The windowed path's default window, K+V bytes of one layer's window (bench/streaming_gpu.py's
+# --window-mib default too), and the cap of a reference-path layer's window (its float32 scores are
+# heads x query tokens x window).
+DEFAULT_WINDOW_MIB = 256.0
+REFERENCE_WINDOW_TOKENS = 1024
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
 @dataclass(frozen=True)
 class StreamingConfig:
     streaming_layers: tuple[str, ...] | None = None  # None: auto
-    window_tokens: int = 1024
+    window_tokens: int | None = None  # None: sized by window_mib (`window`)
+    window_mib: float = DEFAULT_WINDOW_MIB
     device_window_tokens: int = 1
     page_tokens: int = 32
     host_tier_gib: float = 1.0
@@ -94,6 +111,22 @@ class StreamingConfig:
     def lmcache_config(self) -> dict[str, Any] | None:
         return dict(self.lmcache) if self.lmcache is not None else None
 
+    def window(self, token_bytes: int, max_model_len: int | None = None,
+               reference: bool = False) -> int:
+        """Tokens of history one window holds: ``window_tokens`` where set, else ``window_mib``
+        over `token_bytes` (K+V bytes of one token of one streaming layer, the rank's KV heads)
+        in whole pages, at most `max_model_len` rounded up to a page, and for a layer on the
+        reference path (`reference`) at most REFERENCE_WINDOW_TOKENS."""
+        if self.window_tokens is not None:
+            return self.window_tokens
+        P = self.page_tokens
+        w = int(self.window_mib * MIB) // max(1, token_bytes) // P * P
+        if reference:
+            w = min(w, REFERENCE_WINDOW_TOKENS)
+        if max_model_len:
+            w = min(w, -(-max_model_len // P) * P)
+        return max(P, w)
+
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> "StreamingConfig":
         extra = dict(extra or {})
@@ -106,7 +139,9 @@ class StreamingConfig:
             patterns = tuple(str(p) for p in layers)
         cfg = cls(
             streaming_layers=patterns,
-            window_tokens=int(extra.get("window_tokens", cls.window_tokens)),
+            window_tokens=_window_tokens(extra),
+            window_mib=_positive(extra.get("window_mib", cls.window_mib),
+                                 "window_mib must be a positive number of MiB"),
             device_window_tokens=int(extra.get("device_window_tokens", cls.device_window_tokens)),
             page_tokens=int(extra.get("page_tokens", cls.page_tokens)),
             host_tier_gib=float(extra.get("host_tier_gib", cls.host_tier_gib)),
@@ -121,7 +156,7 @@ class StreamingConfig:
             lmcache=_lmcache(extra.get("lmcache")),
             joint_hits=bool(extra.get("kv_joint_hits", False)),
         )
-        for name in ("window_tokens", "device_window_tokens", "page_tokens"):
+        for name in ("device_window_tokens", "page_tokens"):
             if getattr(cfg, name) <= 0:
                 raise ValueError(f"kvstack streaming: {name} must be positive")
         if cfg.on_host_tier_full not in ("fail", "wait"):
@@ -138,6 +173,22 @@ class StreamingConfig:
     def from_vllm_config(cls, vllm_config: Any) -> "StreamingConfig":
         ktc = vllm_config.kv_transfer_config
         return cls.from_extra(ktc.kv_connector_extra_config if ktc is not None else None)
+
+
+def _window_tokens(extra: dict[str, Any]) -> int | None:
+    value = extra.get("window_tokens")
+    if value is None:
+        return None
+    if extra.get("window_mib") is not None:
+        raise ValueError("kvstack streaming: set window_tokens or window_mib, not both (window_mib "
+                         "sizes the window in bytes, window_tokens in tokens)")
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        n = 0
+    if n <= 0:
+        raise ValueError(f"kvstack streaming: window_tokens must be positive, not {value!r}")
+    return n
 
 
 def _lmcache(value: Any) -> tuple[tuple[str, Any], ...] | None:

@@ -9,7 +9,8 @@ the KV cache memory before the cache is allocated, and logs it.
 
 What is counted (bytes, per rank; T = ``max_num_batched_tokens``, the most query tokens one request
 brings to a step; Hq / Hkv / D the rank's query heads, KV heads and head size; b the KV dtype's
-bytes):
+bytes; ``window``: the window in tokens, StreamingConfig.window: ``window_tokens``, or ``window_mib``
+in whole pages, at most ``max_model_len``):
 
 - ``staging``: transfer.Transfer's two staging buffers of K and V, each a window plus one page
   (a window that starts inside a page): ``2 x 2 x staging_tokens(window, page) x Hkv x D x b``;
@@ -21,7 +22,8 @@ bytes):
   ``2 x window x Hkv x D x b``.
 - ``reference`` (only for soft-capped or ALiBi models, whose scores the fused kernel cannot
   apply: windowed.attend_reference): the float32 scores, their masked or capped copy and the
-  probabilities of a window, ``3 x Hq x T x max(window, T) x 4``.
+  probabilities of a window, ``3 x Hq x T x max(window, T) x 4``, the window of such a layer
+  being at most 1024 tokens unless ``window_tokens`` says otherwise.
 
 ``device_scratch_mib`` (kv_connector_extra_config) replaces the sum; a value below the staging
 buffers is refused at start-up (validate.engine_problems), one below the estimate is served with a
@@ -46,6 +48,7 @@ class ScratchPlan:
     attention: int
     reference: int = 0
     configured: int | None = None  # device_scratch_mib, in bytes
+    window: int = 0  # the window the plan is for, tokens (StreamingConfig.window)
 
     @property
     def estimate(self) -> int:
@@ -57,7 +60,8 @@ class ScratchPlan:
         return self.configured if self.configured is not None else self.estimate
 
     def describe(self) -> str:
-        parts = (f"staging {self.staging / MIB:.1f} MiB + attention {self.attention / MIB:.1f} MiB"
+        parts = (f"staging {self.staging / MIB:.1f} MiB ({self.window}-token windows) + "
+                 f"attention {self.attention / MIB:.1f} MiB"
                  + (f" + reference path {self.reference / MIB:.1f} MiB" if self.reference else ""))
         if self.configured is not None:
             return f"{self.total / MIB:.1f} MiB (device_scratch_mib; estimate: {parts})"
@@ -65,15 +69,18 @@ class ScratchPlan:
 
 
 def plan(cfg: StreamingConfig, *, q_heads: int, kv_heads: int, head_size: int, dtype_bytes: int,
-         max_tokens: int, reference: bool = False) -> ScratchPlan:
-    W, T, b = cfg.window_tokens, max_tokens, dtype_bytes
+         max_tokens: int, reference: bool = False, max_model_len: int | None = None) -> ScratchPlan:
+    """`max_model_len`: caps a window sized by ``window_mib`` (StreamingConfig.window)."""
+    T, b = max_tokens, dtype_bytes
+    # the model's layers take the reference path (their window capped) or none does
+    W = cfg.window(2 * kv_heads * head_size * b, max_model_len, reference)
     staging = 2 * 2 * staging_tokens(W, cfg.page_tokens) * kv_heads * head_size * b
     attention = T * q_heads * head_size * (4 * b + 16) + 16 * q_heads * T \
         + 2 * W * kv_heads * head_size * b
     ref = 3 * q_heads * T * max(W, T) * 4 if reference else 0
     configured = (int(cfg.device_scratch_mib * MIB) if cfg.device_scratch_mib is not None
                   else None)
-    return ScratchPlan(staging, attention, ref, configured)
+    return ScratchPlan(staging, attention, ref, configured, W)
 
 
 def needs_reference(model_config: Any) -> bool:
@@ -96,7 +103,7 @@ def plan_for(vllm_config: Any, cfg: StreamingConfig | None = None) -> ScratchPla
                 kv_heads=model.get_num_kv_heads(par), head_size=model.get_head_size(),
                 dtype_bytes=model.dtype.itemsize,
                 max_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
-                reference=needs_reference(model))
+                reference=needs_reference(model), max_model_len=model.max_model_len)
 
 
 def problems(vllm_config: Any) -> list[str]:
@@ -108,7 +115,7 @@ def problems(vllm_config: Any) -> list[str]:
     p = plan_for(vllm_config, cfg)
     if p.configured < p.staging:
         return [f"device_scratch_mib={cfg.device_scratch_mib:g} is below the windowed path's two "
-                f"staging buffers ({p.staging / MIB:.1f} MiB at window_tokens={cfg.window_tokens}"
-                f", page_tokens={cfg.page_tokens}); raise it, lower window_tokens, or leave it "
-                "unset for the estimate"]
+                f"staging buffers ({p.staging / MIB:.1f} MiB at windows of {p.window} tokens"
+                f", page_tokens={cfg.page_tokens}); raise it, lower window_mib or window_tokens, "
+                "or leave it unset for the estimate"]
     return []

@@ -230,11 +230,12 @@ def windowed_attention(q: torch.Tensor, new_k: torch.Tensor, new_v: torch.Tensor
     """Causal attention of q (positions ctx..ctx+T-1) over history [0, ctx) + new K/V.
 
     ``history`` gives the history's K/V one window at a time, so only a window or two of it are
-    on the query's device at once: either an object with ``windows(ctx, window, dtype)`` yielding
-    ``(start, k, v)`` on the query's device, in ``dtype`` where one is given (the CPU's kernel
-    dtype; transfer.PagedHistory: the connector's path, page runs
-    copied into staging buffers on a copy stream, the next window loading while this one is
-    attended), or a callable ``history(start, end) -> (k, v)`` (host tensors, copied as they come)."""
+    on the query's device at once: either an object with ``windows(ctx, window, dtype[, tail])``
+    yielding ``(start, k, v)`` on the query's device, in ``dtype`` where one is given (the CPU's
+    kernel dtype; transfer.PagedHistory: the connector's path, page runs copied into staging
+    buffers on a copy stream, the next window loading while this one is attended; ``tail``: a
+    decode token's own K/V, appended to the last window), or a callable
+    ``history(start, end) -> (k, v)`` (host tensors, copied as they come)."""
     T, dtype = q.shape[0], q.dtype
     plain = features is None or features.plain_scores
     kernel = None  # the windows' kernel dtype (None: the query's)
@@ -245,9 +246,14 @@ def windowed_attention(q: torch.Tensor, new_k: torch.Tensor, new_v: torch.Tensor
     if kernel is not None:
         q = q.float()  # the new tokens' partial and the reference path run in float32
     parts = Partials(q.device)
-    parts.add(*attend(q, new_k, new_v, scale, 0, features, ctx, ctx))
+    # a decode token (plain scores) sees every key, its own too: its K/V ride at the end of the
+    # last window (no partial of its own, and with one window no merge at all)
+    tail = (new_k, new_v) if T == 1 and plain and ctx > 0 and hasattr(history, "windows") \
+        else None
+    if tail is None:
+        parts.add(*attend(q, new_k, new_v, scale, 0, features, ctx, ctx))
     if hasattr(history, "windows"):
-        windows = history.windows(ctx, window, kernel)
+        windows = history.windows(ctx, window, kernel, *(() if tail is None else (tail,)))
     else:  # host tensors, copied to the query's device as they come
         windows = ((s, *(t.to(q.device) for t in history(s, min(s + window, ctx))))
                    for s in range(0, ctx, window))

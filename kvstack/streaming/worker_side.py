@@ -47,6 +47,12 @@ class _WorkerSide:
         self.scratch: scratch.ScratchPlan | None = None  # what was reserved for the device scratch
         self._probe: torch.device | None = None  # the scratch probe's device (SCRATCH_PROBE_ENV)
         self._probe_peak = 0
+        # the windowed path's window per layer (tokens; StreamingConfig.window: capped at
+        # max_model_len in prepare(), smaller for a layer on the float32 reference path) and the
+        # largest of them (what the staging buffers hold)
+        self._token_bytes = 2 * layout.num_kv_heads * layout.head_size * layout.dtype.itemsize
+        self.window = cfg.window(self._token_bytes)
+        self._windows: dict[str, int] = {}
 
     def prepare(self, vllm_config, device: torch.device | None = None) -> None:
         """Start-up, once the model is loaded: pick the path from the layers' backend, open the
@@ -67,6 +73,13 @@ class _WorkerSide:
                             alibi=alibi, sinks=getattr(impl, "sinks", None))
             if not feat.plain:
                 self._features[layer.layer_name] = feat
+        max_len = vllm_config.model_config.max_model_len
+        self._windows = {
+            layer.layer_name: self.cfg.window(
+                self._token_bytes, max_len,
+                reference=not self._features.get(layer.layer_name, Features()).plain_scores)
+            for layer in layers}
+        self.window = max(self._windows.values())
         self._open_store()
         if device is not None and device.type != "cpu" and not self.in_place:
             self._reserve_scratch(vllm_config, device)
@@ -85,7 +98,7 @@ class _WorkerSide:
     def _reserve_scratch(self, vllm_config, device: torch.device) -> None:
         plan = self.scratch = scratch.plan_for(vllm_config)
         first = self.layout.layers[0]
-        staged = self.transfer(device).reserve(self.store.k[first], self.cfg.window_tokens)
+        staged = self.transfer(device).reserve(self.store.k[first], self.window)
         if staged != plan.staging:  # the plan and transfer.py disagree: a bug of ours, say so
             logger.warning("kvstack streaming: staging buffers of %d bytes, planned %d", staged,
                            plan.staging)
@@ -213,7 +226,7 @@ class _WorkerSide:
         else:
             features = self._features.get(name)
             scale = float(layer.impl.scale)
-            window = self.cfg.window_tokens
+            window = self._windows.get(name, self.window)
             transfer = self.transfer(query.device)
             kp, vp = self.store.k[name], self.store.v[name]
             base = self._probe_begin() if self._probe is not None else 0

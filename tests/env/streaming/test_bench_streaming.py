@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[3]
 SMALL = ["--rounds", "1", "--reps", "1", "--ttft-context", "1500", "--ttft-batched-tokens", "512",
          "--tpot-context", "1200", "--tpot-tokens", "4", "--tpot-requests", "2", "--serve-prompts", "4",
          "--serve-lens", "600", "--serve-rounds", "1", "--max-multiple", "4",
-         "--reuse-prefix", "512"]
+         "--reuse-prefix", "512", "--window-tokens", "256"]
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +50,8 @@ def test_every_section_prints_its_figures_and_the_result_line(run):
 def test_what_does_not_depend_on_timing(run):
     kv = dict(item.split("=", 1) for item in run.strip().splitlines()[-1][len("RESULT "):].split())
     assert kv["ttft_tokens"] == "equal" and kv["tpot_tokens"] == "equal"
+    # the windowed variant at --window-tokens 256: the history in several windows
+    assert kv["ttft_24k_windows"] == "4x256" and kv["tpot_8k_windows"] == "5x256"
     assert kv["device_kv_flat"] == "1.00"
     assert int(kv["kvstack_served"]) > int(kv["native_max_len"])
     assert any(line.startswith("(5)") and "tier.bin" in line for line in run.splitlines())

@@ -179,8 +179,10 @@ def test_broken_host_tier_read_is_detected(streaming, native, monkeypatch):
     if streaming.kvstack_path == "windowed":
         real_load = Transfer._load  # a window's copy into its staging buffer (transfer.py)
 
-        def load_losing_page_0(self, pools, page_tokens, runs, start, end, buf, key, which):
-            k, v, ready = real_load(self, pools, page_tokens, runs, start, end, buf, key, which)
+        def load_losing_page_0(self, pools, page_tokens, runs, start, end, buf, key, which,
+                               tail=None):
+            k, v, ready = real_load(self, pools, page_tokens, runs, start, end, buf, key, which,
+                                    tail)
             lost = max(0, min(end, page_tokens) - start)
             if lost:
                 calls.append((start, end))

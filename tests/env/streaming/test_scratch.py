@@ -15,7 +15,7 @@ import torch
 
 from streaming_helpers import env, needs_hooks, streaming_transfer_config, tiny_model
 
-from kvstack.streaming.config import StreamingConfig
+from kvstack.streaming.config import DEFAULT_WINDOW_MIB, StreamingConfig
 from kvstack.streaming.scratch import MIB, ScratchPlan, plan, plan_for, problems
 from kvstack.streaming.transfer import Medium, Transfer
 
@@ -46,6 +46,29 @@ def test_the_plan_counts_the_staging_buffers_transfer_allocates(window, page):
     assert [b.data_ptr() for pair in t._staging.values() for bufs in pair for b in bufs] == held
 
 
+def test_the_default_window_is_sized_in_bytes():
+    """window_mib (default 256, the floor bench's) of K+V per layer-window, in whole pages, capped
+    at max_model_len; a reference-path layer's at 1024 tokens; window_tokens, where set, for every
+    layer; the two together, or either not positive, refused."""
+    cfg = StreamingConfig.from_extra({})
+    assert cfg.window_tokens is None and cfg.window_mib == DEFAULT_WINDOW_MIB == 256
+    llama8b = 2 * 8 * 128 * 2  # K+V bytes of a token of one layer: 8 KV heads x 128, bf16
+    assert cfg.window(llama8b) == 65536  # 16 windows per layer at 1M tokens
+    assert cfg.window(llama8b, max_model_len=10_000) == 10_016  # max_model_len in whole pages
+    assert cfg.window(llama8b, reference=True) == 1024
+    assert cfg.window(llama8b, max_model_len=300, reference=True) == 320
+    assert StreamingConfig.from_extra({"window_mib": 64}).window(llama8b) == 16384
+    assert StreamingConfig(window_mib=0.001).window(llama8b) == 32  # at least one page
+    explicit = StreamingConfig.from_extra({"window_tokens": 100})
+    assert explicit.window(llama8b, max_model_len=50, reference=True) == 100
+    with pytest.raises(ValueError, match="set window_tokens or window_mib, not both"):
+        StreamingConfig.from_extra({"window_tokens": 64, "window_mib": 64})
+    with pytest.raises(ValueError, match="window_mib must be a positive number"):
+        StreamingConfig.from_extra({"window_mib": 0})
+    with pytest.raises(ValueError, match="window_tokens must be positive"):
+        StreamingConfig.from_extra({"window_tokens": -1})
+
+
 def test_the_plan_grows_with_the_step_and_the_reference_path():
     cfg = StreamingConfig(window_tokens=1024)
     kw = dict(q_heads=8, kv_heads=2, head_size=64, dtype_bytes=2)
@@ -56,6 +79,13 @@ def test_the_plan_grows_with_the_step_and_the_reference_path():
     fixed = plan(StreamingConfig(window_tokens=1024, device_scratch_mib=64), max_tokens=256, **kw)
     assert fixed.total == 64 * MIB and fixed.estimate == small.total
     assert "device_scratch_mib" in fixed.describe() and "staging" in small.describe()
+    # sized in bytes: 256 MiB of 512-byte tokens, capped at max_model_len; the reference path's
+    # window (its scores grow with it) at 1024 tokens, staging buffers included
+    default = plan(StreamingConfig(), max_tokens=256, max_model_len=100_000, **kw)
+    assert default.window == 100_000 and "100000-token windows" in default.describe()
+    assert default.staging == 2 * 2 * (100_000 + 32) * 2 * 64 * 2
+    ref = plan(StreamingConfig(), max_tokens=256, max_model_len=100_000, reference=True, **kw)
+    assert ref.window == 1024 and ref.staging == small.staging
 
 
 def _engine_config(**extra):
@@ -85,6 +115,10 @@ def test_plan_for_an_engine_and_the_connectors_answer(vllm_config):
                   head_size=m.get_head_size(), dtype_bytes=m.dtype.itemsize, max_tokens=512)
     assert p == expect and p.configured is None and p.total > 0
     assert StreamingConnector.get_device_scratch_bytes(vllm_config) == p.total
+    # the default window: 256 MiB, capped at this engine's max_model_len
+    default = plan_for(_engine_config(page_tokens=32))
+    assert default.window == -(-m.max_model_len // 32) * 32 < 256 * MIB // (
+        2 * m.get_num_kv_heads(par) * m.get_head_size() * m.dtype.itemsize)
 
 
 def test_device_scratch_mib_replaces_the_estimate_and_is_refused_below_the_staging():
@@ -94,7 +128,7 @@ def test_device_scratch_mib_replaces_the_estimate_and_is_refused_below_the_stagi
     assert plan_for(ok).total == 8 * MIB and problems(ok) == []
     low = _engine_config(window_tokens=256, device_scratch_mib=0.001)
     with pytest.raises(ValueError, match=r"device_scratch_mib=0\.001 is below the windowed path's "
-                                         r"two staging buffers .* at window_tokens=256"):
+                                         r"two staging buffers .* at windows of 256 tokens"):
         check_engine(low)
     with pytest.raises(ValueError, match="device_scratch_mib must be a positive number"):
         StreamingConfig.from_extra({"device_scratch_mib": 0})

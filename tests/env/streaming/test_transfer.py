@@ -109,7 +109,8 @@ def test_a_windows_runs_are_the_requests_runs_cut_to_it():
 @pytest.mark.parametrize("medium", [Medium, DeferredMedium, EagerMedium])
 @pytest.mark.parametrize("ctx,new,window,page,order", [
     (64, 1, 16, 8, "reversed"), (100, 13, 32, 16, "runs"), (37, 5, 7, 3, "reversed"),
-    (96, 32, 96, 32, "runs"), (200, 3, 24, 8, "runs"), (0, 7, 4, 4, "runs")])
+    (96, 32, 96, 32, "runs"), (200, 3, 24, 8, "runs"), (0, 7, 4, 4, "runs"),
+    (37, 1, 7, 3, "reversed"), (96, 1, 96, 32, "runs"), (95, 1, 200, 32, "runs")])
 def test_windows_through_staging_equal_full_attention(medium, ctx, new, window, page, order):
     torch.manual_seed(ctx + new + window)
     Hq, Hkv, D = 4, 2, 32
@@ -130,6 +131,48 @@ def test_windows_through_staging_equal_full_attention(medium, ctx, new, window, 
                        ctx, window, scale, out=out)
     torch.testing.assert_close(out.double(), reference(q, k, v, scale, ctx), atol=2e-5, rtol=2e-5)
     assert t.windows_loaded == -(-ctx // window)
+
+
+@pytest.mark.parametrize("medium", [Medium, DeferredMedium])
+@pytest.mark.parametrize("ctx,window", [(96, 256), (96, 32), (70, 24)])
+def test_a_decode_tokens_own_kv_rides_the_last_window(monkeypatch, medium, ctx, window):
+    """A decode token (one query, plain scores) attends its own K/V as one more row of the
+    history's last staged window: no partial of its own (windowed.attend is never called), the
+    output equal to full attention, under the fake asynchronous device too (the row is copied on
+    the copy stream after the compute stream made it). The control: the row left out (the tail
+    dropped) changes the output."""
+    from kvstack.streaming import windowed
+
+    torch.manual_seed(ctx + window)
+    Hq, Hkv, D, page = 4, 2, 32, 8
+    q, k, v = torch.randn(1, Hq, D), torch.randn(ctx + 1, Hkv, D), torch.randn(ctx + 1, Hkv, D)
+    k[ctx] = 2 * q[0].view(Hkv, Hq // Hkv, D).mean(1)  # the token attends mostly to itself
+    pages = list(range(-(-(ctx + 1) // page)))[::-1]
+    store = HostStore(["L"], 64, page, Hkv, D, torch.float32)
+
+    def run(drop_tail=False):
+        m = medium() if medium is not Medium else Medium(torch.device("cpu"))
+        t = Transfer(m)
+        t.write_back(store.k["L"], store.v["L"], pages, 0, k[:ctx], v[:ctx])
+        t.sync_writes()
+        if drop_tail:
+            load = Transfer._load
+            monkeypatch.setattr(Transfer, "_load", lambda self, *a: load(self, *a[:8]))
+        out = windowed_attention(q, k[ctx:], v[ctx:],
+                                 PagedHistory(t, store.k["L"], store.v["L"], pages), ctx, window,
+                                 D ** -0.5)
+        return out, t
+
+    def no_partial(*a, **kw):
+        raise AssertionError("a decode token's own partial was computed")
+
+    monkeypatch.setattr(windowed, "attend", no_partial)
+    out, t = run()
+    torch.testing.assert_close(out.double(), reference(q, k, v, D ** -0.5, ctx), atol=2e-5,
+                               rtol=2e-5)
+    assert t.windows_loaded == -(-ctx // window)
+    dropped, _ = run(drop_tail=True)  # the control
+    assert not torch.allclose(dropped.double(), reference(q, k, v, D ** -0.5, ctx), atol=1e-3)
 
 
 @pytest.mark.parametrize("amx", [False, True])
@@ -197,6 +240,34 @@ def _worker(medium, page=8, window=16):
     t = Transfer(medium)
     ws.transfer.made[torch.device("cpu")] = t  # the fake device's Transfer, for the cpu tensors
     return ws, t
+
+
+def test_the_workers_windows_per_layer():
+    """prepare() sizes each streaming layer's window (StreamingConfig.window): window_mib capped at
+    max_model_len for a plain layer, at most 1024 tokens for a soft-capped one (the reference
+    path), the staging buffers for the largest."""
+    from kvstack.streaming.config import StreamingConfig
+    from kvstack.streaming.layout import _Layout
+    from kvstack.streaming.worker_side import _WorkerSide
+
+    layout = _Layout(group=0, block_size=16, layers=("A", "B"), num_kv_heads=2, head_size=32,
+                     dtype=torch.float32, num_pages=8, reuse_ok=True)
+
+    def prepared(max_model_len, **extra):
+        ws = _WorkerSide(StreamingConfig(page_tokens=8, cpu_native_attention=False, **extra),
+                         layout)
+        ctx = {"A": SimpleNamespace(layer_name="A", impl=SimpleNamespace()),
+               "B": SimpleNamespace(layer_name="B", impl=SimpleNamespace(logits_soft_cap=30.0))}
+        ws.prepare(SimpleNamespace(compilation_config=SimpleNamespace(static_forward_context=ctx),
+                                   model_config=SimpleNamespace(max_model_len=max_model_len)))
+        return ws
+
+    ws = prepared(5000)
+    assert ws._windows == {"A": 5000, "B": 1024} and ws.window == 5000
+    ws = prepared(300)
+    assert ws._windows == {"A": 304, "B": 304}
+    ws = prepared(5000, window_tokens=64)
+    assert ws._windows == {"A": 64, "B": 64} and ws.window == 64
 
 
 def test_the_connectors_step_path_never_pins_nor_blocks(monkeypatch):
