@@ -117,6 +117,12 @@ class Medium:
     def copy_waits(self, event) -> None:
         """The copy stream waits for `event` (the compute stream done with a buffer or tensor)."""
 
+    def zero_copy(self, pool: torch.Tensor, dtype: torch.dtype | None) -> bool:
+        """Whether a window may be a view of `pool` itself: the medium reads the pool's memory
+        synchronously (the CPU) and the kernel takes the pool's dtype."""
+        return (not self.is_async and pool.device == self.device
+                and (dtype or self.staging_dtype(pool.dtype)) == pool.dtype)
+
     def keep_alive(self, t: torch.Tensor) -> None:
         """`t`, made on the compute stream, is read by the copy stream: keep its memory until then."""
 
@@ -163,6 +169,12 @@ class CudaMedium(Medium):
     def copy_waits(self, event) -> None:
         if event is not None:
             self.stream.wait_event(event)
+
+    def zero_copy(self, pool: torch.Tensor, dtype: torch.dtype | None) -> bool:
+        """Whether a window may be a view of `pool` itself: the medium reads the pool's memory
+        synchronously (the CPU) and the kernel takes the pool's dtype."""
+        return (not self.is_async and pool.device == self.device
+                and (dtype or self.staging_dtype(pool.dtype)) == pool.dtype)
 
     def keep_alive(self, t: torch.Tensor) -> None:
         t.record_stream(self.stream)
@@ -216,72 +228,69 @@ class Transfer:
         return sum(t.numel() * t.element_size() for pair in bufs for t in pair)
 
     def windows(self, k_pool: torch.Tensor, v_pool: torch.Tensor, pages: list[int], ctx: int,
-                window: int, dtype: torch.dtype | None = None,
-                tail: tuple[torch.Tensor, torch.Tensor] | None = None
+                window: int, dtype: torch.dtype | None = None
                 ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
         """(start, K, V) of each window [start, min(start + window, ctx)) of a request's history
         (pages: the request's page list), K/V on the device as [tokens, H, D]: the next window is
         loaded while the caller attends this one; the caller must be done with a window (on the
         compute stream) when it asks for the next one. `dtype`: the staging buffers' (the copies
-        convert; default `Medium.staging_dtype`). `tail`: one token's K and V [1, H, D] (a decode
-        step's new token, made on the compute stream) appended to the last window, which then
-        ends at ctx + 1 (it fits: a buffer holds a window and one page more)."""
+        convert; default `Medium.staging_dtype`). Where the medium shares the pools' memory
+        (`Medium.zero_copy`) and `dtype` is the pools', a window whose pages are one run is a view
+        of the pools, nothing copied."""
         if ctx <= 0:
             return
         P = k_pool.shape[1]
-        key, bufs = self._buffers(k_pool, staging_tokens(window, P), dtype)
-        consumed = self._consumed[key]
-        starts = list(range(0, ctx, window))
         runs = page_runs(pages[:(ctx - 1) // P + 1])  # once, cut per window
         runs = (runs, [r[0] for r in runs])
         # the pools as token rows (a view): a run of pages is one slice of them
         pools = (k_pool.view(-1, *k_pool.shape[2:]), v_pool.view(-1, *v_pool.shape[2:]))
-        last = len(starts) - 1
-        pending = self._load(pools, P, runs, starts[0], min(window, ctx), bufs[0], key, 0,
-                             tail if last == 0 else None)
+        starts = list(range(0, ctx, window))
+        if self.medium.zero_copy(k_pool, dtype):
+            for start in starts:
+                end = min(start + window, ctx)
+                one = clip_runs(runs[0], start // P, (end - 1) // P, runs[1])
+                if len(one) == 1:  # one run of pages: the window is a slice of the pools
+                    s = one[0][1] * P + start % P
+                    self.windows_loaded += 1
+                    yield start, pools[0][s:s + end - start], pools[1][s:s + end - start]
+                else:
+                    yield start, *self._load(pools, P, runs, start, end,
+                                             self._buffers(k_pool, staging_tokens(window, P),
+                                                           dtype)[1][0], None, None)[:2]
+            return
+        key, bufs = self._buffers(k_pool, staging_tokens(window, P), dtype)
+        consumed = self._consumed[key]
+        pending = self._load(pools, P, runs, starts[0], min(window, ctx), bufs[0], key, 0)
         for i, start in enumerate(starts):
             k, v, ready = pending
-            if i < last:  # overlaps with the caller's attention of this window
+            if i + 1 < len(starts):  # overlaps with the caller's attention of this window
                 nxt = starts[i + 1]
                 pending = self._load(pools, P, runs, nxt, min(nxt + window, ctx),
-                                     bufs[(i + 1) % 2], key, (i + 1) % 2,
-                                     tail if i + 1 == last else None)
+                                     bufs[(i + 1) % 2], key, (i + 1) % 2)
             self.medium.compute_waits(ready)
             yield start, k, v
             consumed[i % 2] = self.medium.compute_event()
 
-    def _load(self, pools, P, runs, start, end, buf, key, which, tail=None):
+    def _load(self, pools, P, runs, start, end, buf, key, which):
         """Tokens [start, end) of the request into staging buffer `which`: one copy per run of
         consecutive pages (`pools`: the K and V pools as token rows, `P` tokens a page; `runs`:
         the request's page runs and their first indices), on the copy stream, after the compute
-        stream is done with the buffer; `tail` (K, V of one token) copied after them."""
+        stream is done with the buffer (`key` None: a synchronous medium, nothing to wait for)."""
         first, last = start // P, (end - 1) // P
         (bk, bv), (kf, vf) = buf, pools
-        off = start - first * P
-        n = end - start
         m = self.medium
-        # the new token's K/V are made on the compute stream (an event there, before switching)
-        made = m.compute_event() if tail is not None else None
         with m.on_copy_stream():
-            m.copy_waits(self._consumed[key][which])
-            for idx, page, count in clip_runs(runs[0], first, last, runs[1]):
-                a, s, rows = idx * P, page * P, count * P
+            if key is not None:
+                m.copy_waits(self._consumed[key][which])
+            for idx, page, n in clip_runs(runs[0], first, last, runs[1]):
+                a, s, rows = idx * P, page * P, n * P
                 m.copy(bk[a:a + rows], kf[s:s + rows])
                 m.copy(bv[a:a + rows], vf[s:s + rows])
                 self.copies += 2
-            if tail is not None:
-                tk, tv = tail
-                assert off + n + tk.shape[0] <= bk.shape[0], "the tail does not fit the buffer"
-                m.copy_waits(made)
-                m.copy(bk[off + n:off + n + tk.shape[0]], tk)
-                m.copy(bv[off + n:off + n + tk.shape[0]], tv)
-                m.keep_alive(tk)
-                m.keep_alive(tv)
-                self.copies += 2
-                n += tk.shape[0]
             ready = m.copy_event()
         self.windows_loaded += 1
-        return bk[off:off + n], bv[off:off + n], ready
+        off = start - first * P
+        return bk[off:off + end - start], bv[off:off + end - start], ready
 
     def write_back(self, k_pool: torch.Tensor, v_pool: torch.Tensor, pages: list[int], start: int,
                    k: torch.Tensor, v: torch.Tensor) -> None:
@@ -318,11 +327,13 @@ class PagedHistory:
                  pages: list[int]):
         self.transfer, self.k_pool, self.v_pool, self.pages = transfer, k_pool, v_pool, pages
 
-    def windows(self, ctx: int, window: int, dtype: torch.dtype | None = None,
-                tail: tuple[torch.Tensor, torch.Tensor] | None = None
+    def windows(self, ctx: int, window: int, dtype: torch.dtype | None = None
                 ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
-        return self.transfer.windows(self.k_pool, self.v_pool, self.pages, ctx, window, dtype,
-                                     tail)
+        return self.transfer.windows(self.k_pool, self.v_pool, self.pages, ctx, window, dtype)
+
+    def append(self, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """The new tokens' K/V [start, start + len(k)) into the pools (Transfer.write_back)."""
+        self.transfer.write_back(self.k_pool, self.v_pool, self.pages, start, k, v)
 
 
 class Transfers:

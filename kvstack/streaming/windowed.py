@@ -98,9 +98,10 @@ def _flash(q, k, v, scale, causal):
 
 
 # Query rows (tokens x query heads per KV head) from which a bf16 model's windows are attended in
-# bf16 on a CPU with AMX: torch's CPU flash kernel runs bf16 on AMX tiles there; over a 1024-token
-# window on one core of a Xeon with AMX 1.3x faster than float32 at 32 rows, 1.7-1.9x from 64 up,
-# slower for a decode token (2 rows: 32 us against 20 us).
+# bf16 only on a CPU with AMX: torch's CPU flash kernel runs bf16 on AMX tiles there; over a
+# 1024-token window on one core of a Xeon with AMX 1.3x faster than float32 at 32 rows, 1.7-1.9x
+# from 64 up, slower for a decode token (2 rows: 32 us against 20 us); without AMX 2x slower than
+# float32.
 BF16_MIN_ROWS = 32
 _AMX: bool | None = None
 
@@ -108,7 +109,10 @@ _AMX: bool | None = None
 def cpu_kernel_dtype(dtype: torch.dtype, rows: int) -> torch.dtype:
     """The dtype a window is attended in on the CPU: bf16 for a bf16 model's windows of at least
     BF16_MIN_ROWS query rows on a CPU with AMX (each partial rounded to bf16, as the model's own
-    attention output is, and merged in float32), else float32."""
+    attention output is, and merged in float32), else float32. (A decode token's windows stay
+    float32 even where bf16 would read half the bytes straight from the host pages: torch's bf16
+    kernel moved the sharp model's logprobs 0.033-0.058 from native's in one window, beyond one
+    bf16 ulp; float32 matches them.)"""
     global _AMX
     if dtype != torch.bfloat16 or rows < BF16_MIN_ROWS:
         return torch.float32
@@ -230,14 +234,23 @@ def windowed_attention(q: torch.Tensor, new_k: torch.Tensor, new_v: torch.Tensor
     """Causal attention of q (positions ctx..ctx+T-1) over history [0, ctx) + new K/V.
 
     ``history`` gives the history's K/V one window at a time, so only a window or two of it are
-    on the query's device at once: either an object with ``windows(ctx, window, dtype[, tail])``
-    yielding ``(start, k, v)`` on the query's device, in ``dtype`` where one is given (the CPU's
-    kernel dtype; transfer.PagedHistory: the connector's path, page runs copied into staging
-    buffers on a copy stream, the next window loading while this one is attended; ``tail``: a
-    decode token's own K/V, appended to the last window), or a callable
-    ``history(start, end) -> (k, v)`` (host tensors, copied as they come)."""
+    on the query's device at once: either an object with ``windows(ctx, window, dtype)`` yielding
+    ``(start, k, v)`` on the query's device, in ``dtype`` where one is given (the CPU's kernel
+    dtype), and ``append(ctx, k, v)`` taking the new tokens' K/V (transfer.PagedHistory: the
+    connector's path, page runs copied into staging buffers on a copy stream, the next window
+    loading while this one is attended, the new K/V written back before any window is read), or
+    a callable ``history(start, end) -> (k, v)`` (host tensors, copied as they come; the caller
+    keeps the new K/V)."""
     T, dtype = q.shape[0], q.dtype
     plain = features is None or features.plain_scores
+    span = ctx  # the history the windows cover
+    if hasattr(history, "append"):
+        # the new tokens' K/V go to the history first; a decode token (plain scores) sees every
+        # key, its own too, so its own is read back with the last window (no partial of its own,
+        # and with one window no merge at all)
+        history.append(ctx, new_k, new_v)
+        if T == 1 and plain and ctx > 0:
+            span = ctx + 1
     kernel = None  # the windows' kernel dtype (None: the query's)
     if q.device.type == "cpu" and ctx > 0:
         kernel = cpu_kernel_dtype(dtype, T * q.shape[1] // new_k.shape[1]) if plain \
@@ -246,14 +259,10 @@ def windowed_attention(q: torch.Tensor, new_k: torch.Tensor, new_v: torch.Tensor
     if kernel is not None:
         q = q.float()  # the new tokens' partial and the reference path run in float32
     parts = Partials(q.device)
-    # a decode token (plain scores) sees every key, its own too: its K/V ride at the end of the
-    # last window (no partial of its own, and with one window no merge at all)
-    tail = (new_k, new_v) if T == 1 and plain and ctx > 0 and hasattr(history, "windows") \
-        else None
-    if tail is None:
+    if span == ctx:
         parts.add(*attend(q, new_k, new_v, scale, 0, features, ctx, ctx))
     if hasattr(history, "windows"):
-        windows = history.windows(ctx, window, kernel, *(() if tail is None else (tail,)))
+        windows = history.windows(span, window, kernel)
     else:  # host tensors, copied to the query's device as they come
         windows = ((s, *(t.to(q.device) for t in history(s, min(s + window, ctx))))
                    for s in range(0, ctx, window))

@@ -79,7 +79,7 @@ class _WorkerSide:
                 self._token_bytes, max_len,
                 reference=not self._features.get(layer.layer_name, Features()).plain_scores)
             for layer in layers}
-        self.window = max(self._windows.values())
+        self.window = max(self._windows.values(), default=self.window)  # PP: maybe none here
         self._open_store()
         if device is not None and device.type != "cpu" and not self.in_place:
             self._reserve_scratch(vllm_config, device)
@@ -231,10 +231,10 @@ class _WorkerSide:
             kp, vp = self.store.k[name], self.store.v[name]
             base = self._probe_begin() if self._probe is not None else 0
             for a, b, r in batch.segments:
+                # the new K/V reach the pools through the history (written back first)
                 windowed_attention(query[a:b], key[a:b], value[a:b],
                                    PagedHistory(transfer, kp, vp, r.pages), r.start, window,
                                    scale, out=output[a:b], features=features)
-                transfer.write_back(kp, vp, r.pages, r.start, key[a:b], value[a:b])
             if self._probe is not None:
                 self._probe_end(base, batch.num_tokens)
         if batch.num_tokens < output.shape[0]:

@@ -91,9 +91,12 @@ def native(model):
         close(llm)
 
 
-# Both ways the connector attends the history: in place by vLLM's CPU kernel (cpu_native.py, the
-# default on a CPU engine) and in windows merged by LSE (windowed.py, what a GPU runs).
-PATHS = {"in_place": {}, "windowed": {"cpu_native_attention": False}}
+# Every way the connector attends the history: in place by vLLM's CPU kernel (cpu_native.py, the
+# default on a CPU engine), in windows merged by LSE (windowed.py, what a GPU runs; 48-token
+# windows: many per request), and in one window (as the default window_mib does up to 1M tokens of
+# this model: no merge, a decode token's own K/V read back with its history).
+PATHS = {"in_place": {}, "windowed": {"cpu_native_attention": False},
+         "windowed_one_window": {"cpu_native_attention": False, "window_tokens": MAX_LEN}}
 
 
 @pytest.fixture(scope="module", params=list(PATHS))
@@ -176,22 +179,22 @@ def test_broken_host_tier_read_is_detected(streaming, native, monkeypatch):
     from kvstack.streaming.transfer import Transfer
 
     calls = []
-    if streaming.kvstack_path == "windowed":
-        real_load = Transfer._load  # a window's copy into its staging buffer (transfer.py)
+    if streaming.kvstack_path.startswith("windowed"):
+        real_windows = Transfer.windows  # a request's windows as the attention gets them
 
-        def load_losing_page_0(self, pools, page_tokens, runs, start, end, buf, key, which,
-                               tail=None):
-            k, v, ready = real_load(self, pools, page_tokens, runs, start, end, buf, key, which,
-                                    tail)
-            lost = max(0, min(end, page_tokens) - start)
-            if lost:
-                calls.append((start, end))
-                self.medium.compute_waits(ready)  # landed, then lost in the staging buffer
-                k[:lost] = 0
-                v[:lost] = 0
-            return k, v, ready
+        def windows_losing_page_0(self, k_pool, v_pool, pages, ctx, window, dtype=None):
+            P = k_pool.shape[1]
+            for start, k, v in real_windows(self, k_pool, v_pool, pages, ctx, window, dtype):
+                lost = max(0, min(start + k.shape[0], P) - start)
+                if lost:
+                    calls.append((start, ctx))
+                    # lost on the way (a copy: a window may be a view of the pools themselves)
+                    k, v = k.clone(), v.clone()
+                    k[:lost] = 0
+                    v[:lost] = 0
+                yield start, k, v
 
-        monkeypatch.setattr(Transfer, "_load", load_losing_page_0)
+        monkeypatch.setattr(Transfer, "windows", windows_losing_page_0)
     else:
         real_batch = cpu_native.kernel_batch
         unused = scheduler_connector(streaming).layout.num_pages  # the first sink page

@@ -130,17 +130,18 @@ def test_windows_through_staging_equal_full_attention(medium, ctx, new, window, 
     windowed_attention(q, k[ctx:], v[ctx:], PagedHistory(t, store.k["L"], store.v["L"], pages),
                        ctx, window, scale, out=out)
     torch.testing.assert_close(out.double(), reference(q, k, v, scale, ctx), atol=2e-5, rtol=2e-5)
-    assert t.windows_loaded == -(-ctx // window)
+    # a decode token's own K/V are read back with the history (windowed_attention)
+    assert t.windows_loaded == -(-(ctx + (new == 1 and ctx > 0)) // window)
 
 
 @pytest.mark.parametrize("medium", [Medium, DeferredMedium])
 @pytest.mark.parametrize("ctx,window", [(96, 256), (96, 32), (70, 24)])
-def test_a_decode_tokens_own_kv_rides_the_last_window(monkeypatch, medium, ctx, window):
-    """A decode token (one query, plain scores) attends its own K/V as one more row of the
-    history's last staged window: no partial of its own (windowed.attend is never called), the
-    output equal to full attention, under the fake asynchronous device too (the row is copied on
-    the copy stream after the compute stream made it). The control: the row left out (the tail
-    dropped) changes the output."""
+def test_a_decode_tokens_own_kv_is_read_back_with_its_history(monkeypatch, medium, ctx, window):
+    """A decode token (one query, plain scores): its K/V are written to the pools first
+    (PagedHistory.append) and attended as the last row of the history's last window, with no
+    partial of its own (windowed.attend is never called); the output equals full attention, under
+    the fake asynchronous device too (the write and the window's load on one copy stream, in
+    order). The control: other K/V written, the row read back is not the token's."""
     from kvstack.streaming import windowed
 
     torch.manual_seed(ctx + window)
@@ -148,31 +149,59 @@ def test_a_decode_tokens_own_kv_rides_the_last_window(monkeypatch, medium, ctx, 
     q, k, v = torch.randn(1, Hq, D), torch.randn(ctx + 1, Hkv, D), torch.randn(ctx + 1, Hkv, D)
     k[ctx] = 2 * q[0].view(Hkv, Hq // Hkv, D).mean(1)  # the token attends mostly to itself
     pages = list(range(-(-(ctx + 1) // page)))[::-1]
-    store = HostStore(["L"], 64, page, Hkv, D, torch.float32)
 
-    def run(drop_tail=False):
-        m = medium() if medium is not Medium else Medium(torch.device("cpu"))
-        t = Transfer(m)
+    def run(history_cls=PagedHistory):
+        store = HostStore(["L"], 64, page, Hkv, D, torch.float32)
+        t = Transfer(medium() if medium is not Medium else Medium(torch.device("cpu")))
         t.write_back(store.k["L"], store.v["L"], pages, 0, k[:ctx], v[:ctx])
         t.sync_writes()
-        if drop_tail:
-            load = Transfer._load
-            monkeypatch.setattr(Transfer, "_load", lambda self, *a: load(self, *a[:8]))
         out = windowed_attention(q, k[ctx:], v[ctx:],
-                                 PagedHistory(t, store.k["L"], store.v["L"], pages), ctx, window,
+                                 history_cls(t, store.k["L"], store.v["L"], pages), ctx, window,
                                  D ** -0.5)
-        return out, t
+        t.sync_writes()
+        return out, t, store
 
     def no_partial(*a, **kw):
         raise AssertionError("a decode token's own partial was computed")
 
     monkeypatch.setattr(windowed, "attend", no_partial)
-    out, t = run()
+    out, t, store = run()
     torch.testing.assert_close(out.double(), reference(q, k, v, D ** -0.5, ctx), atol=2e-5,
                                rtol=2e-5)
-    assert t.windows_loaded == -(-ctx // window)
-    dropped, _ = run(drop_tail=True)  # the control
-    assert not torch.allclose(dropped.double(), reference(q, k, v, D ** -0.5, ctx), atol=1e-3)
+    assert t.windows_loaded == -(-(ctx + 1) // window)
+    slot = pages[ctx // page] * page + ctx % page
+    assert torch.equal(store.k["L"].view(-1, Hkv, D)[slot], k[ctx])  # the pools hold it after
+
+    class Unwritten(PagedHistory):
+        def append(self, start, k, v):  # the control: the token's slot gets other K/V
+            super().append(start, torch.zeros_like(k), torch.zeros_like(v))
+
+    lost, _, _ = run(Unwritten)
+    assert not torch.allclose(lost.double(), reference(q, k, v, D ** -0.5, ctx), atol=1e-3)
+
+
+def test_a_cpu_window_of_one_page_run_is_a_view_of_the_pools():
+    """On the CPU, where the kernel takes the pools' dtype (a bf16 decode window), a window whose
+    pages are one run is a slice of the pools, nothing copied; pages out of order are copied into
+    the staging buffer; in another dtype (float32 staging) every window is copied; the fake
+    asynchronous device never shares the pools' memory."""
+    page, Hkv, D = 8, 2, 32
+    store = HostStore(["L"], 16, page, Hkv, D, torch.bfloat16)
+    kp, vp = store.k["L"], store.v["L"]
+    base, end = kp.data_ptr(), kp.data_ptr() + kp.numel() * kp.element_size()
+    t = Transfer(Medium(torch.device("cpu")))
+    got = list(t.windows(kp, vp, [3, 4, 5, 6], 30, 16, torch.bfloat16))
+    assert [s for s, _, _ in got] == [0, 16] and t.copies == 0
+    assert all(base <= w.data_ptr() < end for _, kw, vw in got for w in (kw,))
+    assert got[0][1].data_ptr() == kp[3].data_ptr()  # page 3, token 0
+    got = list(t.windows(kp, vp, [3, 9, 5, 6], 30, 16, torch.bfloat16))
+    assert t.copies == 4 and not base <= got[0][1].data_ptr() < end  # the first window copied
+    t2 = Transfer(Medium(torch.device("cpu")))
+    list(t2.windows(kp, vp, [3, 4, 5, 6], 30, 16))  # float32 staging: copied
+    assert t2.copies == 4
+    t3 = Transfer(DeferredMedium())
+    list(t3.windows(kp, vp, [3, 4, 5, 6], 30, 16, torch.bfloat16))
+    assert t3.copies == 4
 
 
 @pytest.mark.parametrize("amx", [False, True])
@@ -268,6 +297,11 @@ def test_the_workers_windows_per_layer():
     assert ws._windows == {"A": 304, "B": 304}
     ws = prepared(5000, window_tokens=64)
     assert ws._windows == {"A": 64, "B": 64} and ws.window == 64
+    # a pipeline stage without streaming layers (its rank's layout holds none) starts too
+    layout = _Layout(group=0, block_size=16, layers=(), num_kv_heads=2, head_size=32,
+                     dtype=torch.float32, num_pages=8, reuse_ok=True)
+    ws = prepared(5000)
+    assert ws._windows == {} and ws.window > 0
 
 
 def test_the_connectors_step_path_never_pins_nor_blocks(monkeypatch):
