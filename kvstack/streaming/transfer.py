@@ -10,7 +10,8 @@ window i+1 loads while window i is attended; the new tokens' K/V go back to the 
 ``Medium`` says how those copies run:
 
 - ``Medium.for_device(cpu)``: copies run at once, events and streams are no-ops (vLLM's CPU engine;
-  the same code as on a GPU, so CI runs it);
+  the same code as on a GPU, so CI runs it); a window in the pools' own dtype whose pages are one
+  run is a view of the pools, nothing copied (``zero_copy``);
 - ``Medium.for_device(cuda:N)``: a copy stream with events; the compute stream waits for a window's
   event before attending it, the copy stream waits for the compute stream before it overwrites a
   staging buffer or reads a step's new K/V; host-side readers of the pools (the shared tier) call
@@ -169,12 +170,6 @@ class CudaMedium(Medium):
     def copy_waits(self, event) -> None:
         if event is not None:
             self.stream.wait_event(event)
-
-    def zero_copy(self, pool: torch.Tensor, dtype: torch.dtype | None) -> bool:
-        """Whether a window may be a view of `pool` itself: the medium reads the pool's memory
-        synchronously (the CPU) and the kernel takes the pool's dtype."""
-        return (not self.is_async and pool.device == self.device
-                and (dtype or self.staging_dtype(pool.dtype)) == pool.dtype)
 
     def keep_alive(self, t: torch.Tensor) -> None:
         t.record_stream(self.stream)

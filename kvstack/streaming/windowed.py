@@ -238,19 +238,19 @@ def windowed_attention(q: torch.Tensor, new_k: torch.Tensor, new_v: torch.Tensor
     ``(start, k, v)`` on the query's device, in ``dtype`` where one is given (the CPU's kernel
     dtype), and ``append(ctx, k, v)`` taking the new tokens' K/V (transfer.PagedHistory: the
     connector's path, page runs copied into staging buffers on a copy stream, the next window
-    loading while this one is attended, the new K/V written back before any window is read), or
-    a callable ``history(start, end) -> (k, v)`` (host tensors, copied as they come; the caller
-    keeps the new K/V)."""
+    loading while this one is attended, the new K/V written back after the windows, a decode
+    token's before them), or a callable ``history(start, end) -> (k, v)`` (host tensors, copied
+    as they come; the caller keeps the new K/V)."""
     T, dtype = q.shape[0], q.dtype
     plain = features is None or features.plain_scores
     span = ctx  # the history the windows cover
-    if hasattr(history, "append"):
-        # the new tokens' K/V go to the history first; a decode token (plain scores) sees every
-        # key, its own too, so its own is read back with the last window (no partial of its own,
-        # and with one window no merge at all)
+    appends = hasattr(history, "append")
+    if appends and T == 1 and plain and ctx > 0:
+        # a decode token (plain scores) sees every key, its own too: its K/V go to the history
+        # first and are read back with the last window (no partial of its own, and with one
+        # window no merge at all)
         history.append(ctx, new_k, new_v)
-        if T == 1 and plain and ctx > 0:
-            span = ctx + 1
+        span, appends = ctx + 1, False
     kernel = None  # the windows' kernel dtype (None: the query's)
     if q.device.type == "cpu" and ctx > 0:
         kernel = cpu_kernel_dtype(dtype, T * q.shape[1] // new_k.shape[1]) if plain \
@@ -269,6 +269,8 @@ def windowed_attention(q: torch.Tensor, new_k: torch.Tensor, new_v: torch.Tensor
     for start, hk, hv in windows:
         part = wq(hk, hv) if wq is not None else None
         parts.add(*(part or attend(q, hk, hv, scale, None, features, ctx, start)))
+    if appends:  # after the windows (a GPU's first window load need not wait for the new K/V)
+        history.append(ctx, new_k, new_v)
     if features is not None and features.sinks is not None:
         # the sink: one more logit per head in the denominator, contributing no value
         sink_lse = features.sinks.to(device=q.device, dtype=torch.float32).view(-1, 1)

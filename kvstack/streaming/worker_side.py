@@ -231,7 +231,7 @@ class _WorkerSide:
             kp, vp = self.store.k[name], self.store.v[name]
             base = self._probe_begin() if self._probe is not None else 0
             for a, b, r in batch.segments:
-                # the new K/V reach the pools through the history (written back first)
+                # the new K/V reach the pools through the history (PagedHistory.append)
                 windowed_attention(query[a:b], key[a:b], value[a:b],
                                    PagedHistory(transfer, kp, vp, r.pages), r.start, window,
                                    scale, out=output[a:b], features=features)
