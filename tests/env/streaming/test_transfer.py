@@ -181,8 +181,9 @@ def test_a_decode_tokens_own_kv_is_read_back_with_its_history(monkeypatch, mediu
 
 
 def test_a_cpu_window_of_one_page_run_is_a_view_of_the_pools():
-    """On the CPU, where the kernel takes the pools' dtype (a bf16 decode window), a window whose
-    pages are one run is a slice of the pools, nothing copied; pages out of order are copied into
+    """On the CPU, where the kernel takes the pools' dtype (bf16 here, as a bf16 model's prefill
+    windows on a CPU with AMX), a window whose pages are one run is a slice of the pools, nothing
+    copied; pages out of order are copied into
     the staging buffer; in another dtype (float32 staging) every window is copied; the fake
     asynchronous device never shares the pools' memory."""
     page, Hkv, D = 8, 2, 32
@@ -192,7 +193,7 @@ def test_a_cpu_window_of_one_page_run_is_a_view_of_the_pools():
     t = Transfer(Medium(torch.device("cpu")))
     got = list(t.windows(kp, vp, [3, 4, 5, 6], 30, 16, torch.bfloat16))
     assert [s for s, _, _ in got] == [0, 16] and t.copies == 0
-    assert all(base <= w.data_ptr() < end for _, kw, vw in got for w in (kw,))
+    assert all(base <= kw.data_ptr() < end for _, kw, _ in got)
     assert got[0][1].data_ptr() == kp[3].data_ptr()  # page 3, token 0
     got = list(t.windows(kp, vp, [3, 9, 5, 6], 30, 16, torch.bfloat16))
     assert t.copies == 4 and not base <= got[0][1].data_ptr() < end  # the first window copied
