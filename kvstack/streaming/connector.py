@@ -149,7 +149,7 @@ class StreamingConnector(KVConnectorBase_V1, SupportsHMA):
                 f"kvstack streaming: {layer.layer_name} needs quantized output or a shared KV "
                 "cache, which streaming attention does not support; exclude it with "
                 "'streaming_layers'")
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        if query.is_cuda and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(
                 f"kvstack streaming: {layer.layer_name} is being captured in a CUDA graph; its "
                 "attention runs in the connector and cannot be captured. Use cudagraph_mode "

@@ -20,10 +20,12 @@ windowed path (windowed.py, what a GPU runs) attends the history in windows.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import torch
 
 from .compat import cpu_attn_isa, cpu_scheduler_metadata_kwargs
@@ -88,10 +90,17 @@ class KernelBatch:
                     seq_lens=self.seq_lens, dtype=query.dtype,
                     query_start_loc=self.query_start_loc, causal=True,
                     sliding_window_size=impl.sliding_window, isa=isa,
-                    enable_kv_split=_envs.VLLM_CPU_ATTN_SPLIT_KV,
+                    enable_kv_split=_split_kv(),
                     **cpu_scheduler_metadata_kwargs(_ops.cpu_attn_get_scheduler_metadata, impl)),
                 encoder_cache=None)
         return meta
+
+
+@functools.lru_cache(maxsize=None)
+def _split_kv() -> bool:
+    """VLLM_CPU_ATTN_SPLIT_KV, read once per process as vLLM's metadata builders do (at their
+    construction; an env lookup per step costs more than the rest of the metadata's Python)."""
+    return bool(_envs.VLLM_CPU_ATTN_SPLIT_KV)
 
 
 def kernel_batch(segments, page_tokens: int) -> KernelBatch:
@@ -113,18 +122,21 @@ def kernel_batch(segments, page_tokens: int) -> KernelBatch:
             else:  # sink pages past the table (a request failing this step), or no worker table
                 table[i, :k] = torch.tensor(r.pages[:k], dtype=torch.int32)
     # slot of each new token: its request's page at pos // P, offset pos % P
-    if segments[-1][1] <= 64:  # few new tokens (decode): plain lists are quicker
-        slots = torch.tensor([r.pages[p // P] * P + p % P for (_, _, r), e in zip(segments, ends)
-                              for p in range(r.start, e)], dtype=torch.long)
+    if segments[-1][1] <= 64:  # few new tokens (decode): plain lists are quicker (and numpy
+        # makes a small tensor in a third of torch.tensor's time)
+        slots = torch.from_numpy(np.array(
+            [r.pages[p // P] * P + p % P for (_, _, r), e in zip(segments, ends)
+             for p in range(r.start, e)], dtype=np.int64))
     else:
         row = torch.repeat_interleave(torch.arange(len(segments)),
                                       torch.tensor([r.num_tokens for _, _, r in segments]))
         pos = torch.cat([torch.arange(r.start, e) for (_, _, r), e in zip(segments, ends)])
         slots = table[row, pos // P].long() * P + pos % P
     qsl = [0] + [b for _, b, _ in segments]
-    lens = torch.tensor(qsl + ends, dtype=torch.int32)  # one tensor: both are views of it
-    return KernelBatch(num_tokens=qsl[-1], query_start_loc=lens[:len(qsl)],
-                       seq_lens=lens[len(qsl):], block_table=table, slot_mapping=slots)
+    lens = np.array(qsl + ends, dtype=np.int32)  # one array: both tensors are views of it
+    return KernelBatch(num_tokens=qsl[-1], query_start_loc=torch.from_numpy(lens[:len(qsl)]),
+                       seq_lens=torch.from_numpy(lens[len(qsl):]), block_table=table,
+                       slot_mapping=slots)
 
 
 def attend_in_place(layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

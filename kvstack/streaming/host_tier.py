@@ -129,7 +129,9 @@ class PagePool:
 
     def ensure(self, req_id: str, num_tokens: int) -> None:
         """Give `req_id` pages for its first `num_tokens` tokens (raises HostTierFull)."""
-        req = self._reqs.setdefault(req_id, _Req())
+        req = self._reqs.get(req_id)  # every step of every request: no _Req made in vain
+        if req is None:
+            req = self._reqs[req_id] = _Req()
         need = self.pages_for(num_tokens) - len(req.pages)
         if need <= 0:
             return

@@ -112,19 +112,22 @@ class StreamingConnectorStats(KVConnectorStats):
 class StatsReporter:
     """Turns successive `_SchedulerSide.stats()` snapshots into per-step stats objects."""
 
+    _NAMES = (*GAUGES, *COUNTERS)
+
     def __init__(self):
+        self._last: tuple | None = None  # the values of _NAMES at the last report
         self._counters = {name: 0 for name in COUNTERS}
-        self._gauges: dict[str, int] | None = None
 
     def take(self, snapshot: dict[str, Any]) -> StreamingConnectorStats | None:
+        values = tuple(snapshot[name] for name in self._NAMES)
+        if values == self._last:
+            return None  # nothing new since the last step (most steps: one tuple compare)
+        self._last = values
         gauges = {name: int(snapshot[name]) for name in GAUGES}
-        deltas = {name: int(snapshot[name]) - self._counters[name] for name in COUNTERS}
-        if gauges == self._gauges and not any(deltas.values()):
-            return None  # nothing new since the last step
-        self._gauges = gauges
-        self._counters = {name: int(snapshot[name]) for name in COUNTERS}
-        return StreamingConnectorStats(data={"gauges": gauges,
-                                             "counters": {k: v for k, v in deltas.items() if v}})
+        now = {name: int(snapshot[name]) for name in COUNTERS}
+        deltas = {k: v - self._counters[k] for k, v in now.items() if v != self._counters[k]}
+        self._counters = now
+        return StreamingConnectorStats(data={"gauges": gauges, "counters": deltas})
 
 
 class StreamingPromMetrics(KVConnectorPromMetrics):

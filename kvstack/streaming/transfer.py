@@ -239,44 +239,44 @@ class Transfer:
         runs = (runs, [r[0] for r in runs])
         # the pools as token rows (a view): a run of pages is one slice of them
         pools = (k_pool.view(-1, *k_pool.shape[2:]), v_pool.view(-1, *v_pool.shape[2:]))
-        starts = list(range(0, ctx, window))
-        if self.medium.zero_copy(k_pool, dtype):
-            for start in starts:
-                end = min(start + window, ctx)
+        share = self.medium.zero_copy(k_pool, dtype)
+        staged: list = []  # (key, buffers), fetched at the first window that is copied
+
+        def window_at(i: int):
+            start = i * window
+            end = min(start + window, ctx)
+            if share:
                 one = clip_runs(runs[0], start // P, (end - 1) // P, runs[1])
                 if len(one) == 1:  # one run of pages: the window is a slice of the pools
                     s = one[0][1] * P + start % P
                     self.windows_loaded += 1
-                    yield start, pools[0][s:s + end - start], pools[1][s:s + end - start]
-                else:
-                    yield start, *self._load(pools, P, runs, start, end,
-                                             self._buffers(k_pool, staging_tokens(window, P),
-                                                           dtype)[1][0], None, None)[:2]
-            return
-        key, bufs = self._buffers(k_pool, staging_tokens(window, P), dtype)
-        consumed = self._consumed[key]
-        pending = self._load(pools, P, runs, starts[0], min(window, ctx), bufs[0], key, 0)
-        for i, start in enumerate(starts):
+                    return pools[0][s:s + end - start], pools[1][s:s + end - start], None
+            if not staged:
+                staged.append(self._buffers(k_pool, staging_tokens(window, P), dtype))
+            key, bufs = staged[0]
+            return self._load(pools, P, runs, start, end, bufs[i % 2], key, i % 2)
+
+        count = -(-ctx // window)
+        pending = window_at(0)
+        for i in range(count):
             k, v, ready = pending
-            if i + 1 < len(starts):  # overlaps with the caller's attention of this window
-                nxt = starts[i + 1]
-                pending = self._load(pools, P, runs, nxt, min(nxt + window, ctx),
-                                     bufs[(i + 1) % 2], key, (i + 1) % 2)
+            if i + 1 < count:  # overlaps with the caller's attention of this window
+                pending = window_at(i + 1)
             self.medium.compute_waits(ready)
-            yield start, k, v
-            consumed[i % 2] = self.medium.compute_event()
+            yield i * window, k, v
+            if staged:
+                self._consumed[staged[0][0]][i % 2] = self.medium.compute_event()
 
     def _load(self, pools, P, runs, start, end, buf, key, which):
-        """Tokens [start, end) of the request into staging buffer `which`: one copy per run of
-        consecutive pages (`pools`: the K and V pools as token rows, `P` tokens a page; `runs`:
-        the request's page runs and their first indices), on the copy stream, after the compute
-        stream is done with the buffer (`key` None: a synchronous medium, nothing to wait for)."""
+        """Tokens [start, end) of the request into staging buffer `which` of `key`: one copy per
+        run of consecutive pages (`pools`: the K and V pools as token rows, `P` tokens a page;
+        `runs`: the request's page runs and their first indices), on the copy stream, after the
+        compute stream is done with the buffer."""
         first, last = start // P, (end - 1) // P
         (bk, bv), (kf, vf) = buf, pools
         m = self.medium
         with m.on_copy_stream():
-            if key is not None:
-                m.copy_waits(self._consumed[key][which])
+            m.copy_waits(self._consumed[key][which])
             for idx, page, n in clip_runs(runs[0], first, last, runs[1]):
                 a, s, rows = idx * P, page * P, n * P
                 m.copy(bk[a:a + rows], kf[s:s + rows])

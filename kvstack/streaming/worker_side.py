@@ -146,8 +146,11 @@ class _WorkerSide:
         self._saves = meta.saves
         self._pending = set(self.layers) if meta.reqs else set()
         first = self.layout.group
-        self._by_slot = {g: {r.anchor(g, first): r for r in meta.reqs}
-                         for g in self.layout.all_groups()}
+        if self.layout.groups[1:]:  # several streaming groups: each has its own slots
+            self._by_slot = {g: {r.anchor(g, first): r for r in meta.reqs}
+                             for g in self.layout.groups}
+        else:
+            self._by_slot = {first: {r.anchor_slot: r for r in meta.reqs}}
         self._batches = {}
 
     def end_step(self) -> None:

@@ -123,10 +123,11 @@ def test_sharp_model_depends_on_one_early_token(native):
     assert max(native["long"][1][0].values()) > -3.0
 
 
-def test_long_prompt_many_windows_matches_native(streaming, native):
-    """(a) A 960-token prompt, 20 windows of 48 of host-tier history, on 16 device blocks (512
-    tokens), cold (no prefix hit): the greedy tokens and top-5 logprobs of native. Control: the
-    same prompt with token 10 changed differs beyond TOL, on both engines."""
+def test_long_prompt_matches_native(streaming, native):
+    """(a) A 960-token prompt whose history lives in the host tier, on 16 device blocks (512
+    tokens), cold (no prefix hit): the greedy tokens and top-5 logprobs of native, on each path
+    (`PATHS`: in place; 20 windows of 48 merged by LSE; one window). Control: the same prompt with
+    token 10 changed differs beyond TOL, on both engines."""
     conn = scheduler_connector(streaming)
     assert len(LONG) > DEVICE_BLOCKS * 32 and len(LONG) // WINDOW >= 16
     before = conn.stats()
