@@ -103,6 +103,37 @@ def test_one_window_engine_matches_native(streaming, reference):
     assert tokens(streaming, [prompt(n, i) for i, n in enumerate(PROMPTS)]) == reference
 
 
+def test_the_streaming_layers_device_window_is_never_written(streaming, reference, monkeypatch):
+    """The hooks patch marks a paged layer (`Attention.kv_paged`) and vLLM no longer writes its
+    K/V to its bounded device window, which nothing reads: the layer's only cache write per step is
+    the connector's, to its host pages; the other layers still write their device caches. Control:
+    the mark taken off, vLLM writes the device window again (the check can fail) and the tokens stay
+    the same (the window is never read)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    layer = _layer(streaming)
+    assert layer.kv_paged
+    host = get_kv_transfer_group()._worker.store.kv[NOPE].data_ptr()
+    impl_cls = type(layer.impl)
+    writes: list[tuple[str, bool]] = []  # (layer, into the host tier)
+    original = impl_cls.do_kv_cache_update
+
+    def recording(self, lyr, key, value, kv_cache, slot_mapping):
+        writes.append((lyr.layer_name, kv_cache.data_ptr() == host))
+        return original(self, lyr, key, value, kv_cache, slot_mapping)
+
+    monkeypatch.setattr(impl_cls, "do_kv_cache_update", recording)
+    prompts = [prompt(n, i) for i, n in enumerate(PROMPTS)]
+    assert tokens(streaming, prompts) == reference
+    ours = [into_host for name, into_host in writes if name == NOPE]
+    assert ours and all(ours), "the streaming layer's K/V went to its device window"
+    assert any(name != NOPE and not into_host for name, into_host in writes)  # others: device
+    writes.clear()
+    monkeypatch.setattr(layer, "kv_paged", False)  # the control
+    assert tokens(streaming, prompts) == reference
+    assert (NOPE, False) in writes
+
+
 def test_a_lone_request_reads_the_workers_table_in_place():
     """A decode step of one request (the common per-step case) gives the kernel a view of the
     worker's page table instead of a copy; several requests, or a table short of the pages the
