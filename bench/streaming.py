@@ -19,7 +19,8 @@ tpot      (2) TPOT decoding after an 8,000-token prompt (engine timestamps of th
               default, 8 at `--window-tokens 1024`), every engine alive at once in a process of
               its own and `--tpot-requests` requests taken in turn: the figure is the median of
               the paired ratios (request i of kvstack / request i of native), printed with their
-              range. Greedy tokens compared.
+              range. Greedy tokens compared. `--tpot-control`: every engine native (an A/A
+              run), so the ratios show the estimator's own bias and spread here.
 serve     (3) Serving throughput: `vllm serve` native vs with the streaming connector (same flags
               otherwise), driven by `vllm bench serve --dataset-name random --random-input-len
               {2000,8000} --random-output-len 16 --ignore-eos --num-prompts 100
@@ -37,7 +38,7 @@ reuse     (6) Prefix reuse: TTFT of a request whose long prefix is already in th
               first request with that prefix (same engine, same length).
 
     .venv/bin/python bench/streaming.py [--only ttft,tpot,serve,capacity,reuse] [--rounds 2]
-        [--reps 3] [--tpot-requests 12] [--window-tokens N] [--serve-rounds 2]
+        [--reps 3] [--tpot-requests 12] [--tpot-control] [--window-tokens N] [--serve-rounds 2]
         [--serve-prompts 100] [--serve-lens 2000,8000] [--max-multiple 64] [--host-tier-path FILE]
 
 At the defaults the whole bench took 305 s on 2 cores (ttft 65 s, tpot 33 s, serve 193 s,
@@ -205,6 +206,8 @@ def tpot_variants(args) -> dict:
     variants = {"native": None, "kvstack": dict(KVSTACK_CFG)}
     if not args.no_tpot_windowed:
         variants["windowed"] = windowed_cfg(args)
+    if args.tpot_control:  # the estimator's control (A/A): every engine native
+        variants = dict.fromkeys(variants)
     return variants
 
 
@@ -259,6 +262,10 @@ def run_tpot(model_dir, args) -> dict:
         fwd.append("--no-tpot-windowed")
     if args.window_tokens:
         fwd += ["--window-tokens", str(args.window_tokens)]
+    if args.tpot_control:
+        fwd.append("--tpot-control")
+        log("  (2) --tpot-control: every engine is native vLLM; the ratios below are the "
+            "estimator's own bias and spread")
     procs = {name: subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--tpot-worker",
                                      name, *fwd], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                     text=True)
@@ -319,6 +326,10 @@ def run_tpot(model_dir, args) -> dict:
     print(f"    TPOT greedy tokens ({out_n} each) native vs kvstack"
           f"{' vs windowed' if 'windowed' in tpots else ''}: {same(tokens)}", flush=True)
     res["tpot_tokens"] = "equal" if same(tokens) == "equal" else "DIFFER"
+    if args.tpot_control:
+        print("    TPOT control run (--tpot-control): every engine was native vLLM, so the ratios "
+              "above are the estimator's own bias and spread", flush=True)
+        res["tpot_control"] = "native_vs_native"
     return res
 
 
@@ -511,6 +522,10 @@ def main(argv=None) -> int:
                     help="(2) skip the cpu_native_attention=false variant")
     ap.add_argument("--tpot-requests", type=int, default=12,
                     help="(2) timed requests per engine, the engines in turn (default: %(default)s)")
+    ap.add_argument("--tpot-control", action="store_true",
+                    help="(2) the estimator's control: the kvstack and windowed engines run "
+                         "native vLLM too (an A/A run: its ratios are the estimator's own bias and "
+                         "spread on this machine)")
     ap.add_argument("--tpot-worker", choices=("native", "kvstack", "windowed"),
                     help=argparse.SUPPRESS)  # (2)'s engine processes
     ap.add_argument("--serve-prompts", type=int, default=100, help="(3) --num-prompts per run")

@@ -55,3 +55,17 @@ def test_what_does_not_depend_on_timing(run):
     assert kv["device_kv_flat"] == "1.00"
     assert int(kv["kvstack_served"]) > int(kv["native_max_len"])
     assert any(line.startswith("(5)") and "tier.bin" in line for line in run.splitlines())
+
+
+def test_tpot_control_runs_every_engine_native():
+    """`--tpot-control` (the TPOT estimator's A/A run, docs/streaming.md): the three engines are
+    native vLLM, the result line says so, and their greedy tokens agree."""
+    res = subprocess.run([sys.executable, str(REPO / "bench" / "streaming.py"), "--only", "tpot",
+                          "--tpot-control", "--tpot-context", "600", "--tpot-tokens", "4",
+                          "--tpot-requests", "2", "--ttft-batched-tokens", "512"],
+                         cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    last = res.stdout.strip().splitlines()[-1]
+    kv = dict(item.split("=", 1) for item in last[len("RESULT "):].split())
+    assert kv["tpot_control"] == "native_vs_native" and kv["tpot_tokens"] == "equal", last
+    assert "every engine is native vLLM" in res.stderr
