@@ -318,7 +318,9 @@ def run_tpot(model_dir, args) -> dict:
     if "windowed" in tpots:
         med, lo, hi = paired("windowed")
         windows = windows_of(args, n, n + out_n + 64)
-        print(f"    TPOT with cpu_native_attention false ({say_windows(windows)}): "
+        what = ("the third engine, native under --tpot-control" if args.tpot_control
+                else f"with cpu_native_attention false ({say_windows(windows)})")
+        print(f"    TPOT {what}: "
               f"{ms['windowed']:.2f} ms; per pair: median "
               f"{med:.2f}x, range {lo:.2f}-{hi:.2f}x (target <= 1.2)", flush=True)
         res.update(tpot_8k_windowed=f"{med:.2f}x", tpot_8k_windowed_range=f"{lo:.2f}-{hi:.2f}x",

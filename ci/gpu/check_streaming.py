@@ -73,6 +73,12 @@ budget (both parallel sides). `--reuse` keeps a side's result from an earlier ru
 `--work` when its plan is the same (CI runs TP 2, then PP 2 with `--reuse`: only the PP sides run
 again).
 
+Each side runs in a process group of its own with its output in `<work>/<side>.log`. A side still
+running after `--timeout` seconds is stopped: each of its processes (the engine and vLLM's worker
+processes) first prints every thread's Python stack into that log (SIGABRT with faulthandler on),
+and the end of the log is printed. When a side ends, whatever it left running (vLLM's workers
+finishing their shutdown) is killed, and nothing waits for them.
+
 The last line sums it up: `RESULT 5/5 identical; control changed (...)`.
 Exit status: 0 every case identical and the control changed; 1 a case differs, a run failed, the
 control did not change or the streaming was vacuous; 2 bad usage (e.g. vLLM not importable).
@@ -86,6 +92,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -94,6 +101,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from kvstack.testbed.backend_servers import _dies_with_parent  # noqa: E402
 from kvstack.testbed.precision import LOGPROB_TOL, describe_host, logprob_tol  # noqa: E402
 
 PAGE = 32  # host-tier page = the tiny Llama-4's local chunk = its block size
@@ -379,6 +387,32 @@ def child(plan_file: Path, side: str, out: Path) -> None:
     os._exit(0)  # skip engine teardown: the result is written
 
 
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _dump_stacks(pgid: int) -> None:
+    """SIGABRT to each process of the group in turn (children first, the side's own process last),
+    so that their faulthandler stacks come out one after another, not interleaved."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid:  # the fields after the name: state, ppid, pgrp
+            pids.append(int(stat.parent.name))
+    for pid in sorted(pids, key=lambda p: p == pgid):
+        try:
+            os.kill(pid, signal.SIGABRT)
+        except (ProcessLookupError, PermissionError):
+            continue
+        time.sleep(1)
+
+
 def run_side(plan_file: Path, side: str, work: Path, timeout: int,
              reuse: bool = False) -> dict | str:
     out = work / f"{side}.json"
@@ -393,16 +427,29 @@ def run_side(plan_file: Path, side: str, work: Path, timeout: int,
     out.unlink(missing_ok=True)
     env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["PYTHONFAULTHANDLER"] = "1"  # SIGABRT: every thread's Python stack, in each process
+    log_file = work / f"{side}.log"
     t0 = time.time()
-    try:
-        res = subprocess.run([sys.executable, __file__, "--child", str(plan_file), side, str(out)],
-                             capture_output=True, text=True, env=env, timeout=timeout)
-        log = res.stdout + res.stderr
-        code = res.returncode
-    except subprocess.TimeoutExpired as e:
-        log = f"{e.stdout or ''}{e.stderr or ''}\ntimed out after {timeout} s"
-        code = "timeout"
-    (work / f"{side}.log").write_text(log if isinstance(log, str) else str(log))
+    # The side in a process group of its own, its output in a file: on a timeout every process of
+    # the side (the engine and, at TP/PP > 1, vLLM's worker processes) first prints its Python
+    # stacks into the log (SIGABRT, faulthandler), then is killed; nothing is left to hold a pipe
+    # open, and a side's leftover workers never overlap the next side.
+    with open(log_file, "w") as fh:
+        proc = subprocess.Popen([sys.executable, __file__, "--child", str(plan_file), side, str(out)],
+                                stdout=fh, stderr=subprocess.STDOUT, text=True, env=env,
+                                start_new_session=True, preexec_fn=_dies_with_parent)
+        try:
+            code = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            code = "timeout"
+            _dump_stacks(proc.pid)  # the stacks of a hung side, into its log
+            time.sleep(2)
+        _signal_group(proc.pid, signal.SIGKILL)  # the side and anything it left behind
+        proc.wait()
+    log = log_file.read_text(errors="replace")
+    if code == "timeout":
+        log += f"\ntimed out after {timeout} s (the Python stacks of its processes above)"
+        log_file.write_text(log)
     if not out.exists():
         tail = [ln for ln in log.strip().splitlines() if ln.strip()][-1:] or ["no output"]
         return f"{side} run failed (exit {code}, log {work / (side + '.log')}): {tail[0][:300]}"
@@ -599,7 +646,10 @@ def main(argv=None) -> int:
 
     def show(side, r):
         if isinstance(r, str):
-            print(r, flush=True)
+            # the end of the failed side's log (after a timeout: its processes' Python stacks)
+            tail = (work / f"{side}.log").read_text(errors="replace").strip().splitlines()[-150:]
+            print("\n".join([r, f"--- the last {len(tail)} lines of {side}.log:", *tail,
+                             f"--- end of {side}.log"]), flush=True)
             return
         i = r["info"]
         print(f"{side:9s} {i.get('gpu', i['device'])}: compilation mode {i['compilation_mode']}, "

@@ -69,3 +69,6 @@ def test_tpot_control_runs_every_engine_native():
     kv = dict(item.split("=", 1) for item in last[len("RESULT "):].split())
     assert kv["tpot_control"] == "native_vs_native" and kv["tpot_tokens"] == "equal", last
     assert "every engine is native vLLM" in res.stderr
+    # the third engine's line names what it ran, not the windowed path it stands in for
+    assert "TPOT the third engine, native under --tpot-control" in res.stdout, res.stdout
+    assert "cpu_native_attention false" not in res.stdout, res.stdout

@@ -43,10 +43,12 @@ def test_streaming_equals_native_on_the_cpu_engine(tmp_path):
     # TP 2 too: the streaming side again with vLLM's multiprocess executor, two worker processes of
     # one bound OpenMP thread each (2 cores), each rank streaming its own KV heads; compared with
     # native at TP 2, the control token included
+    # --timeout: a side that hangs (~20 s each here) is stopped after 5 minutes with its processes'
+    # Python stacks in the output, well inside this test's own limit
     res = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--long-tokens", "4096",
-                          "--tensor-parallel-size", "2", "--work", str(tmp_path)],
-                         capture_output=True, text=True, timeout=900)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+                          "--tensor-parallel-size", "2", "--timeout", "300", "--work", str(tmp_path)],
+                         capture_output=True, text=True, timeout=1500)
+    assert res.returncode == 0, res.stdout[-12000:] + res.stderr[-3000:]
     lines = res.stdout.strip().splitlines()
     assert lines[-1].startswith("RESULT 10/10 identical; control changed"), res.stdout
     assert "streaming TP 2 vs native TP 2" in lines[-1], lines[-1]
@@ -79,9 +81,9 @@ def test_streaming_equals_native_on_the_cpu_engine(tmp_path):
     # second stage), against native at PP 2, with the same control token. --reuse keeps the
     # single-rank streaming and native results of the run above (same plans): only the PP sides run
     res = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--long-tokens", "4096",
-                          "--pipeline-parallel-size", "2", "--reuse", "--work", str(tmp_path)],
-                         capture_output=True, text=True, timeout=900)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+                          "--pipeline-parallel-size", "2", "--reuse", "--timeout", "300",
+                          "--work", str(tmp_path)], capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stdout[-12000:] + res.stderr[-3000:]
     lines = res.stdout.strip().splitlines()
     assert lines[-1].startswith("RESULT 10/10 identical; control changed"), res.stdout
     assert "streaming PP 2 vs native PP 2" in lines[-1], lines[-1]
@@ -120,6 +122,24 @@ def test_the_other_dtype_path(tmp_path):
     assert f", {other}, " in last and f"tol {logprob_tol(other)}," in last, last
     info = json.loads((tmp_path / "streaming.json").read_text())["info"]
     assert info["streaming_calls"]["max_windows"] >= 8
+
+
+@pytest.mark.env
+@needs_hooks
+def test_a_side_that_does_not_finish_is_stopped_with_its_stacks(tmp_path):
+    # a side past --timeout (here: 3 s, while its engine still starts) is stopped: its processes
+    # print their Python stacks into its log, which the output ends with, and none is left running
+    res = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--long-tokens", "2048",
+                          "--timeout", "3", "--work", str(tmp_path)],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 1, res.stdout + res.stderr
+    out = res.stdout
+    assert "streaming run failed (exit timeout" in out, out
+    assert "--- the last" in out and '  File "' in out and "timed out after 3 s" in out, out
+    assert "(most recent call first)" in (tmp_path / "streaming.log").read_text()
+    assert out.strip().splitlines()[-1].startswith("RESULT 0/5 identical; the streaming run failed")
+    left = subprocess.run(["pgrep", "-f", f"--child {tmp_path}"], capture_output=True, text=True)
+    assert left.stdout == "", left.stdout  # the side and its children were killed
 
 
 def test_bad_usage_exits_2_before_any_engine(tmp_path):

@@ -183,9 +183,8 @@ def test_a_decode_tokens_own_kv_is_read_back_with_its_history(monkeypatch, mediu
 def test_a_cpu_window_of_one_page_run_is_a_view_of_the_pools():
     """On the CPU, where the kernel takes the pools' dtype (bf16 here, as a bf16 model's prefill
     windows on a CPU with AMX), a window whose pages are one run is a slice of the pools, nothing
-    copied; pages out of order are copied into
-    the staging buffer; in another dtype (float32 staging) every window is copied; the fake
-    asynchronous device never shares the pools' memory."""
+    copied; pages out of order are copied into the staging buffer; in another dtype (float32
+    staging) every window is copied; the fake asynchronous device never shares the pools' memory."""
     page, Hkv, D = 8, 2, 32
     store = HostStore(["L"], 16, page, Hkv, D, torch.bfloat16)
     kp, vp = store.k["L"], store.v["L"]
