@@ -376,6 +376,30 @@ def test_a_streaming_layer_left_to_the_backend_fails_the_step():
     w.end_step()
 
 
+def test_a_streaming_layer_being_captured_in_a_cuda_graph_is_refused(monkeypatch):
+    # the capture itself needs a GPU: the query stands in for a CUDA tensor and torch says a
+    # capture is under way; control: the same call without a capture reaches the worker side
+    import torch
+
+    from kvstack.streaming.connector import StreamingConnector
+
+    calls = []
+    conn = SimpleNamespace(_worker=SimpleNamespace(attention=lambda *a: calls.append(a) or "out"))
+    layer, query = SimpleNamespace(layer_name="model.layers.3.attn"), SimpleNamespace(is_cuda=True)
+    args = (conn, layer, query, "key", "value", "output", "meta")
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match="model.layers.3.attn is being captured in a CUDA graph"
+                                           ".*PIECEWISE"):
+        StreamingConnector.compute_streaming_attention(*args)
+    assert calls == []
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    assert StreamingConnector.compute_streaming_attention(*args) == "out" and len(calls) == 1
+    # a CPU query never asks CUDA (vLLM's CPU engine)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: 1 / 0)
+    cpu = (conn, layer, SimpleNamespace(is_cuda=False), "key", "value", "output", "meta")
+    assert StreamingConnector.compute_streaming_attention(*cpu) == "out"
+
+
 def test_fp8_kv_cache_refused_at_start_up_on_the_engine():
     code = textwrap.dedent(f"""
         import sys
