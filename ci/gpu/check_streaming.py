@@ -76,8 +76,8 @@ again).
 Each side runs in a process group of its own with its output in `<work>/<side>.log`. A side still
 running after `--timeout` seconds is stopped: each of its processes (the engine and vLLM's worker
 processes) first prints every thread's Python stack into that log (SIGABRT with faulthandler on),
-and the end of the log is printed. When a side ends, whatever it left running (vLLM's workers
-finishing their shutdown) is killed, and nothing waits for them.
+and the end of the log is printed. When a side ends, what it left running (vLLM's workers finishing
+their shutdown, ~5 s) gets 30 s to end by itself and is then killed.
 
 The last line sums it up: `RESULT 5/5 identical; control changed (...)`.
 Exit status: 0 every case identical and the control changed; 1 a case differs, a run failed, the
@@ -394,18 +394,33 @@ def _signal_group(pgid: int, sig: int) -> None:
         pass
 
 
-def _dump_stacks(pgid: int) -> None:
-    """SIGABRT to each process of the group in turn (children first, the side's own process last),
-    so that their faulthandler stacks come out one after another, not interleaved."""
+def _group(pgid: int) -> list[int]:
+    """The processes of process group `pgid` (Linux /proc)."""
     pids = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if int(fields[2]) == pgid:  # the fields after the name: state, ppid, pgrp
+        # the fields after the name: state, ppid, pgrp (a zombie has ended: not counted)
+        if int(fields[2]) == pgid and fields[0] != "Z":
             pids.append(int(stat.parent.name))
-    for pid in sorted(pids, key=lambda p: p == pgid):
+    return pids
+
+
+def _reap_group(pgid: int, grace: float = 30.0) -> None:
+    """Let what a finished side left running (vLLM's workers and their resource tracker, which
+    unlinks their shared memory) end by itself for up to `grace` seconds, then kill the rest."""
+    end = time.monotonic() + grace
+    while _group(pgid) and time.monotonic() < end:
+        time.sleep(0.2)
+    _signal_group(pgid, signal.SIGKILL)
+
+
+def _dump_stacks(pgid: int) -> None:
+    """SIGABRT to each process of the group in turn (children first, the side's own process last),
+    so that their faulthandler stacks come out one after another, not interleaved."""
+    for pid in sorted(_group(pgid), key=lambda p: p == pgid):
         try:
             os.kill(pid, signal.SIGABRT)
         except (ProcessLookupError, PermissionError):
@@ -432,20 +447,22 @@ def run_side(plan_file: Path, side: str, work: Path, timeout: int,
     t0 = time.time()
     # The side in a process group of its own, its output in a file: on a timeout every process of
     # the side (the engine and, at TP/PP > 1, vLLM's worker processes) first prints its Python
-    # stacks into the log (SIGABRT, faulthandler), then is killed; nothing is left to hold a pipe
-    # open, and a side's leftover workers never overlap the next side.
+    # stacks into the log (SIGABRT, faulthandler), then is killed; no pipe is left for a process of
+    # the side to hold open, and what a finished side left running is given 30 s to end (vLLM's
+    # workers take ~5 s after the side's os._exit), then killed, before the next side starts.
     with open(log_file, "w") as fh:
         proc = subprocess.Popen([sys.executable, __file__, "--child", str(plan_file), side, str(out)],
                                 stdout=fh, stderr=subprocess.STDOUT, text=True, env=env,
                                 start_new_session=True, preexec_fn=_dies_with_parent)
         try:
             code = proc.wait(timeout=timeout)
+            _reap_group(proc.pid)  # what the side left running, given its time to end
         except subprocess.TimeoutExpired:
             code = "timeout"
             _dump_stacks(proc.pid)  # the stacks of a hung side, into its log
             time.sleep(2)
-        _signal_group(proc.pid, signal.SIGKILL)  # the side and anything it left behind
-        proc.wait()
+            _signal_group(proc.pid, signal.SIGKILL)
+            proc.wait()
     log = log_file.read_text(errors="replace")
     if code == "timeout":
         log += f"\ntimed out after {timeout} s (the Python stacks of its processes above)"
