@@ -408,13 +408,23 @@ def _group(pgid: int) -> list[int]:
     return pids
 
 
+def _wait_group(pgid: int, seconds: float) -> None:
+    end = time.monotonic() + seconds
+    while _group(pgid) and time.monotonic() < end:
+        time.sleep(0.1)
+
+
+def _kill_group(pgid: int) -> None:
+    """SIGKILL to the group, and until its processes are gone (a signal lands asynchronously)."""
+    _signal_group(pgid, signal.SIGKILL)
+    _wait_group(pgid, 10)
+
+
 def _reap_group(pgid: int, grace: float = 30.0) -> None:
     """Let what a finished side left running (vLLM's workers and their resource tracker, which
     unlinks their shared memory) end by itself for up to `grace` seconds, then kill the rest."""
-    end = time.monotonic() + grace
-    while _group(pgid) and time.monotonic() < end:
-        time.sleep(0.2)
-    _signal_group(pgid, signal.SIGKILL)
+    _wait_group(pgid, grace)
+    _kill_group(pgid)
 
 
 def _dump_stacks(pgid: int) -> None:
@@ -463,6 +473,7 @@ def run_side(plan_file: Path, side: str, work: Path, timeout: int,
             time.sleep(2)
             _signal_group(proc.pid, signal.SIGKILL)
             proc.wait()
+            _kill_group(proc.pid)  # and until every process of the side is gone
     log = log_file.read_text(errors="replace")
     if code == "timeout":
         log += f"\ntimed out after {timeout} s (the Python stacks of its processes above)"
