@@ -77,7 +77,8 @@ Each side runs in a process group of its own with its output in `<work>/<side>.l
 running after `--timeout` seconds is stopped: each of its processes (the engine and vLLM's worker
 processes) first prints every thread's Python stack into that log (SIGABRT with faulthandler on),
 and the end of the log is printed. When a side ends, what it left running (vLLM's workers finishing
-their shutdown, ~5 s) gets 30 s to end by itself and is then killed.
+their shutdown, ~5 s) gets 30 s to end by itself and is then killed. `KVSTACK_CHECK_STREAMING_STALL=
+<side>` makes that side stall once its engine is up (the tests' stand-in for a hang).
 
 The last line sums it up: `RESULT 5/5 identical; control changed (...)`.
 Exit status: 0 every case identical and the control changed; 1 a case differs, a run failed, the
@@ -104,6 +105,8 @@ sys.path.insert(0, str(ROOT))
 from kvstack.testbed.backend_servers import _dies_with_parent  # noqa: E402
 from kvstack.testbed.precision import LOGPROB_TOL, describe_host, logprob_tol  # noqa: E402
 
+# set to a side's name, that side stalls once its engine is up (how the tests make a side hang)
+STALL_ENV = "KVSTACK_CHECK_STREAMING_STALL"
 PAGE = 32  # host-tier page = the tiny Llama-4's local chunk = its block size
 CONTROL_POS = 5  # the control's token when the attention probe is not there (see Probe)
 HMA_ENV = "VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE"
@@ -328,6 +331,8 @@ def child(plan_file: Path, side: str, out: Path) -> None:
     t0 = time.time()
     llm = LLM(**kw)
     started = time.time() - t0
+    if os.environ.get(STALL_ENV) == side:  # the tests' stand-in for a side that hangs
+        time.sleep(3600)
     core = llm.llm_engine.engine_core.engine_core
     vcfg = llm.llm_engine.vllm_config
     cc = vcfg.compilation_config
