@@ -7,8 +7,9 @@ out mid-serve. kvstack's gpu_worker patch subtracts ``get_device_scratch_bytes``
 connector (``StreamingConnector.get_device_scratch_bytes`` = ``plan_for(vllm_config).total``) from
 the KV cache memory before the cache is allocated, and logs it.
 
-What is counted (bytes, per rank; T = ``max_num_batched_tokens``, the most query tokens one request
-brings to a step; Hq / Hkv / D the rank's query heads, KV heads and head size; b the KV dtype's
+What is counted (bytes, per rank; T = ``max_num_batched_tokens``, the most query tokens of a step:
+one request's, or all requests' together on the packed path (packed.py), whose accumulators are
+alive at once; Hq / Hkv / D the rank's query heads, KV heads and head size; b the KV dtype's
 bytes; ``window``: the window in tokens, StreamingConfig.window: ``window_tokens``, or ``window_mib``
 in whole pages, at most ``max_model_len``):
 

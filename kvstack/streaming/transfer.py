@@ -267,6 +267,66 @@ class Transfer:
             if staged:
                 self._consumed[staged[0][0]][i % 2] = self.medium.compute_event()
 
+    def packed(self, k_pool: torch.Tensor, v_pool: torch.Tensor, pages_of: list[list[int]],
+               windows: list[list], window: int, dtypes: list[torch.dtype | None]
+               ) -> Iterator[tuple[list, list[tuple[torch.Tensor, torch.Tensor]], tuple | None]]:
+        """The packed windows of a step (packed.plan: pieces of several requests' histories back to
+        back, `pages_of[req]` each request's pages), one after another: per window its pieces, the
+        K/V of each piece ([tokens, H, D] on the device) and the window's staging buffers holding
+        them all at the pieces' offsets ``(k, v, tokens)`` (None where a piece is a view of the
+        pools). Each piece is loaded token-exact, one copy per run of consecutive pool slots, on the
+        copy stream; the next window loads while the caller attends this one, and the caller must
+        be done with a window (on the compute stream) when it asks for the next. ``dtypes``: each
+        window's staging dtype (None: `Medium.staging_dtype`). Where the medium shares the pools'
+        memory and a window's dtype is the pools', a piece of one slot run is a view of the pools."""
+        if not windows:
+            return
+        P = k_pool.shape[1]
+        pools = (k_pool.view(-1, *k_pool.shape[2:]), v_pool.view(-1, *v_pool.shape[2:]))
+        m = self.medium
+
+        def window_at(i: int):
+            pieces, dtype = windows[i], dtypes[i]
+            runs = [slot_runs(pages_of[pc.req], P, pc.start, pc.end - pc.start) for pc in pieces]
+            kvs: list = [None] * len(pieces)
+            if m.zero_copy(k_pool, dtype):
+                for j, (pc, rr) in enumerate(zip(pieces, runs)):
+                    if len(rr) == 1:  # one run of slots: the piece is a slice of the pools
+                        s = rr[0][0]
+                        kvs[j] = (pools[0][s:s + pc.end - pc.start],
+                                  pools[1][s:s + pc.end - pc.start])
+            self.windows_loaded += 1
+            if all(kv is not None for kv in kvs):
+                return pieces, kvs, None, None, None
+            key, bufs = self._buffers(k_pool, staging_tokens(window, P), dtype)
+            bk, bv = bufs[i % 2]
+            with m.on_copy_stream():
+                m.copy_waits(self._consumed[key][i % 2])
+                for j, (pc, rr) in enumerate(zip(pieces, runs)):
+                    if kvs[j] is not None:
+                        continue
+                    for slot, off, length in rr:
+                        a = pc.at + off
+                        m.copy(bk[a:a + length], pools[0][slot:slot + length])
+                        m.copy(bv[a:a + length], pools[1][slot:slot + length])
+                        self.copies += 2
+                    n = pc.end - pc.start
+                    kvs[j] = (bk[pc.at:pc.at + n], bv[pc.at:pc.at + n])
+                ready = m.copy_event()
+            fill = max(pc.at + pc.end - pc.start for pc in pieces)
+            whole = (bk[:fill], bv[:fill], fill) if not m.zero_copy(k_pool, dtype) else None
+            return pieces, kvs, whole, ready, key
+
+        pending = window_at(0)
+        for i in range(len(windows)):
+            pieces, kvs, whole, ready, key = pending
+            if i + 1 < len(windows):  # overlaps with the caller's attention of this window
+                pending = window_at(i + 1)
+            m.compute_waits(ready)
+            yield pieces, kvs, whole
+            if key is not None:
+                self._consumed[key][i % 2] = m.compute_event()
+
     def _load(self, pools, P, runs, start, end, buf, key, which):
         """Tokens [start, end) of the request into staging buffer `which` of `key`: one copy per
         run of consecutive pages (`pools`: the K and V pools as token rows, `P` tokens a page;

@@ -17,6 +17,7 @@ from .config import StreamingConfig
 from .compat import cpu_attn_isa
 from .host_tier import HostStore
 from .layout import PageTables, ReqStep, StreamingMetadata, _Layout
+from .packed import packed_attention
 from .shared_tier import SharedTier, open_for_engine, predict_store_tag, store_tag
 from .transfer import PagedHistory, transfers
 from .windowed import Features, windowed_attention
@@ -233,11 +234,17 @@ class _WorkerSide:
             transfer = self.transfer(query.device)
             kp, vp = self.store.k[name], self.store.v[name]
             base = self._probe_begin() if self._probe is not None else 0
-            for a, b, r in batch.segments:
-                # the new K/V reach the pools through the history (PagedHistory.append)
-                windowed_attention(query[a:b], key[a:b], value[a:b],
-                                   PagedHistory(transfer, kp, vp, r.pages), r.start, window,
-                                   scale, out=output[a:b], features=features)
+            if features is None and len(batch.segments) > 1:
+                # several requests, plain scores: their histories packed into shared windows,
+                # one load and (on a GPU) one varlen call per window (packed.py)
+                packed_attention(query, key, value, batch.segments, kp, vp, transfer, window,
+                                 scale, output)
+            else:
+                for a, b, r in batch.segments:
+                    # the new K/V reach the pools through the history (PagedHistory.append)
+                    windowed_attention(query[a:b], key[a:b], value[a:b],
+                                       PagedHistory(transfer, kp, vp, r.pages), r.start, window,
+                                       scale, out=output[a:b], features=features)
             if self._probe is not None:
                 self._probe_end(base, batch.num_tokens)
         if batch.num_tokens < output.shape[0]:

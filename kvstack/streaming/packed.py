@@ -1,0 +1,199 @@
+"""The windowed path for a whole step: the histories of all its requests packed back to back into
+windows of `window` tokens, each window loaded once and attended for all its requests at once.
+
+A request's history is attended in windows (windowed.py); with many requests in a step, one window
+per request and call leaves most of each staging buffer empty for short histories and costs one
+kernel call, one copy wait and one Python round per request and window. Here the step's histories
+(in batch order) are cut into windows of `window` tokens as one sequence: a window may hold the end
+of one request's history and the start of the next's (a *piece* each). Per window:
+
+- the pieces are loaded into one staging buffer at their offsets (transfer.Transfer.packed: one
+  copy per run of consecutive pool slots, on the copy stream, the next window loading while this
+  one is attended);
+- on a GPU, one FlashAttention varlen call attends every piece's request rows over that piece
+  (``cu_seqlens`` of the rows and of the pieces; GQA native, the LSE returned); on the CPU each
+  piece is attended by torch's CPU flash kernel (windowed.WindowQuery), the same pieces;
+- each request's partial is merged by log-sum-exp into its own accumulator (windowed.Partials).
+
+The new tokens' own partial (causal over themselves) and the write-back of their K/V are those of
+windowed.windowed_attention: a decode token's K/V go to the pools first and are read back with its
+history (no partial of its own); a prefill chunk's are written back after the windows. Plain
+scores only: a layer with soft-cap, ALiBi or sinks keeps the per-request path.
+
+Imports only torch (and windowed.py / transfer.py): the floor bench can use it on a bare machine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .transfer import PagedHistory, Transfer
+from .windowed import Partials, WindowQuery, attend, cpu_kernel_dtype
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Tokens [start, end) of request `req`'s history, at offset `at` of its window."""
+
+    req: int
+    start: int
+    end: int
+    at: int
+
+
+def plan(spans: list[int], window: int) -> list[list[Piece]]:
+    """The windows of histories of `spans` tokens (in order) packed back to back, `window` tokens
+    each (the last one shorter): every token of every history in exactly one piece, the pieces of
+    a window in request order and contiguous from offset 0."""
+    if window <= 0:
+        raise ValueError(f"window must be positive, got {window}")
+    windows: list[list[Piece]] = []
+    cur: list[Piece] = []
+    fill = 0
+    for req, span in enumerate(spans):
+        pos = 0
+        while pos < span:
+            take = min(span - pos, window - fill)
+            cur.append(Piece(req, pos, pos + take, fill))
+            pos += take
+            fill += take
+            if fill == window:
+                windows.append(cur)
+                cur, fill = [], 0
+    if cur:
+        windows.append(cur)
+    return windows
+
+
+def _varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale):
+    """FlashAttention's varlen forward (CUDA): (out [rows, Hq, D], lse [Hq, rows] float32)."""
+    res = torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, False,
+                                                  False, scale=scale)
+    out, lse = res[0], res[1]
+    if lse.dim() == 3:  # [1, Hq, rows] in some builds
+        lse = lse[0]
+    if lse.shape[0] != q.shape[1]:  # [rows, Hq]
+        lse = lse.transpose(0, 1)
+    return out, lse.float()
+
+
+_VARLEN_OK: dict[tuple, bool] = {}
+
+
+def varlen_usable(device: torch.device, dtype: torch.dtype, hq: int, hkv: int, d: int) -> bool:
+    """Whether FlashAttention's varlen forward runs here and gives what the per-piece kernel gives
+    on a small GQA problem with an empty key range (checked once per device, dtype and shape, as
+    bench/streaming_gpu.py checks it): where it does not, packed windows are attended per piece."""
+    key = (device, dtype, hq, hkv, d)
+    ok = _VARLEN_OK.get(key)
+    if ok is None:
+        gen = torch.Generator().manual_seed(123)
+        q = torch.randn((6, hq, d), generator=gen).to(dtype)
+        k = torch.randn((100, hkv, d), generator=gen).to(dtype)
+        v = torch.randn((100, hkv, d), generator=gen).to(dtype)
+        cu_q, cu_k = [0, 3, 4, 6], [0, 70, 70, 100]  # the second request: no keys here
+        try:
+            out, lse = _varlen(q.to(device), k.to(device), v.to(device),
+                               torch.tensor(cu_q, dtype=torch.int32, device=device),
+                               torch.tensor(cu_k, dtype=torch.int32, device=device), 3, 70,
+                               d ** -0.5)
+            ok = True
+            for (qa, qb), (ka, kb) in (((0, 3), (0, 70)), ((4, 6), (70, 100))):
+                ro, rl = WindowQuery(q[qa:qb], d ** -0.5).attend(k[ka:kb], v[ka:kb])
+                ok = ok and torch.allclose(out[qa:qb].float().cpu(), ro.float(), atol=2e-2) \
+                    and torch.allclose(lse[:, qa:qb].cpu(), rl.float(), atol=2e-2)
+        except (RuntimeError, NotImplementedError, TypeError):
+            ok = False
+        _VARLEN_OK[key] = ok
+    return ok
+
+
+class _Req:
+    """One request of the step: its rows, history span, query prepared for the windows, partials."""
+
+    __slots__ = ("a", "b", "ctx", "span", "hist", "wq", "q", "parts", "kernel", "append_after")
+
+    def __init__(self, a, b, r, query, key, value, transfer, k_pool, v_pool, scale):
+        self.a, self.b, self.ctx = a, b, r.start
+        T, Hq, Hkv = b - a, query.shape[1], key.shape[1]
+        q = query[a:b]
+        self.hist = PagedHistory(transfer, k_pool, v_pool, r.pages)
+        self.parts = Partials(query.device)
+        self.span, self.append_after = self.ctx, True
+        if T == 1 and self.ctx > 0:  # a decode token: its K/V first, read back with its history
+            self.hist.append(self.ctx, key[a:b], value[a:b])
+            self.span, self.append_after = self.ctx + 1, False
+        self.kernel = (cpu_kernel_dtype(query.dtype, T * Hq // Hkv)
+                       if query.device.type == "cpu" and self.ctx > 0 else None)
+        self.wq = WindowQuery(q, scale, self.kernel)
+        self.q = q.float() if self.kernel is not None else q
+        if self.span == self.ctx:  # the new tokens over themselves (causal)
+            self.parts.add(*attend(self.q, key[a:b], value[a:b], scale, 0, None, self.ctx,
+                                   self.ctx))
+
+
+def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     segments: list, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                     transfer: Transfer, window: int, scale: float, output: torch.Tensor,
+                     use_varlen: bool | None = None) -> None:
+    """Causal attention of each request of the step (`segments`: (first row, end row, ReqStep
+    with ``start`` and ``pages``) in batch order) over its history in the pools + its new tokens,
+    into ``output[a:b]``; the new tokens' K/V written to the pools. ``use_varlen``: one
+    FlashAttention varlen call per window (default: on CUDA), else one kernel call per piece."""
+    reqs = [_Req(a, b, r, query, key, value, transfer, k_pool, v_pool, scale)
+            for a, b, r in segments]
+    windows = plan([q.span for q in reqs], window)
+    # a window's staging dtype: its requests' kernel dtype where they agree, else float32 (each
+    # WindowQuery converts what is not its own)
+    dtypes = []
+    for pieces in windows:
+        kinds = {reqs[pc.req].kernel for pc in pieces}
+        dtypes.append(kinds.pop() if len(kinds) == 1 else torch.float32)
+    if use_varlen is None:
+        use_varlen = query.device.type == "cuda" and varlen_usable(
+            query.device, query.dtype, query.shape[1], key.shape[1], query.shape[2])
+    for pieces, kvs, whole in transfer.packed(k_pool, v_pool, [r.pages for _, _, r in segments],
+                                              windows, window, dtypes):
+        if use_varlen and whole is not None and _attend_varlen(reqs, pieces, whole, query, scale):
+            continue
+        for pc, (k, v) in zip(pieces, kvs):
+            rq = reqs[pc.req]
+            part = rq.wq(k, v)
+            rq.parts.add(*(part or attend(rq.q, k, v, scale, None, None, rq.ctx, pc.start)))
+    for rq, (a, b, _) in zip(reqs, segments):
+        if rq.append_after:  # after the windows (a GPU's first window load need not wait)
+            rq.hist.append(rq.ctx, key[a:b], value[a:b])
+        output[a:b].copy_(rq.parts.result())
+
+
+def _attend_varlen(reqs: list[_Req], pieces: list[Piece], whole, query: torch.Tensor,
+                   scale: float) -> bool:
+    """One varlen call for a window: the rows of its requests (a contiguous range of the batch;
+    a request in that range without a piece here gets an empty key range, its result unused)
+    over their pieces. False where the kernel refuses (the caller attends per piece)."""
+    k, v, _ = whole
+    by_req = {pc.req: pc for pc in pieces}
+    first, last = pieces[0].req, pieces[-1].req
+    a0 = reqs[first].a
+    cu_q, cu_k, end_k = [0], [0], 0
+    for i in range(first, last + 1):
+        pc = by_req.get(i)
+        cu_q.append(reqs[i].b - a0)
+        end_k = pc.at + pc.end - pc.start if pc is not None else end_k
+        cu_k.append(end_k)
+    dev = query.device
+    try:
+        out, lse = _varlen(query[a0:reqs[last].b], k, v,
+                           torch.tensor(cu_q, dtype=torch.int32, device=dev),
+                           torch.tensor(cu_k, dtype=torch.int32, device=dev),
+                           max(b - a for a, b in zip(cu_q, cu_q[1:])),
+                           max(b - a for a, b in zip(cu_k, cu_k[1:])), scale)
+    except (RuntimeError, NotImplementedError):
+        return False
+    for i in by_req:
+        rq = reqs[i]
+        rows = slice(rq.a - a0, rq.b - a0)
+        rq.parts.add(out[rows], lse[:, rows])
+    return True
