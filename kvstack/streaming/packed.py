@@ -195,5 +195,5 @@ def _attend_varlen(reqs: list[_Req], pieces: list[Piece], whole, query: torch.Te
     for i in by_req:
         rq = reqs[i]
         rows = slice(rq.a - a0, rq.b - a0)
-        rq.parts.add(out[rows], lse[:, rows])
+        rq.parts.add(out[rows], lse[:, rows].contiguous())  # merge_attn_states: contiguous LSE
     return True
