@@ -190,7 +190,7 @@ def _attend_varlen(reqs: list[_Req], pieces: list[Piece], whole, query: torch.Te
                            torch.tensor(cu_k, dtype=torch.int32, device=dev),
                            max(b - a for a, b in zip(cu_q, cu_q[1:])),
                            max(b - a for a, b in zip(cu_k, cu_k[1:])), scale)
-    except (RuntimeError, NotImplementedError):
+    except (RuntimeError, NotImplementedError, TypeError):
         return False
     for i in by_req:
         rq = reqs[i]
