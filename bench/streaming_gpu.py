@@ -41,11 +41,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-# the connector's copy planning and its window attention (kvstack/streaming/transfer.py and
-# windowed.py import only torch, vLLM's merge only when it is there; the working tree a GPU machine
-# gets holds them, so nothing needs carrying)
+# the connector's copy planning, its window attention and its varlen kernel (kvstack/streaming/
+# transfer.py, windowed.py and packed.py import only torch, vLLM's merge only when it is there;
+# the working tree a GPU machine gets holds them, so nothing needs carrying)
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from kvstack.streaming.config import DEFAULT_WINDOW_MIB  # noqa: E402  (the connector's window)
+from kvstack.streaming.packed import varlen, varlen_usable  # noqa: E402
 from kvstack.streaming.transfer import slot_runs  # noqa: E402
 from kvstack.streaming.windowed import WindowQuery  # noqa: E402
 
@@ -307,20 +308,13 @@ class Attention:
 
     def __call__(self, q, k, v, cu_q: list[int], cu_k: list[int], causal: bool,
                  cu_q_t=None, cu_k_t=None):
-        if self.impl == "flash_varlen":
+        if self.impl == "flash_varlen":  # the connector's packed windows' call (packed.varlen)
             if cu_q_t is None:
                 cu_q_t = torch.tensor(cu_q, dtype=torch.int32, device=self.device)
                 cu_k_t = torch.tensor(cu_k, dtype=torch.int32, device=self.device)
-            max_q = max(b - a for a, b in zip(cu_q, cu_q[1:]))
-            max_k = max(b - a for a, b in zip(cu_k, cu_k[1:]))
-            res = torch.ops.aten._flash_attention_forward(
-                q, k, v, cu_q_t, cu_k_t, max_q, max_k, 0.0, causal, False, scale=self.geo.scale)
-            out, lse = res[0], res[1]
-            if lse.dim() == 3:  # [1, Hq, Tq] in some builds
-                lse = lse[0]
-            if lse.shape[0] != self.geo.hq:  # [Tq, Hq]
-                lse = lse.transpose(0, 1)
-            return out, lse.float()
+            return varlen(q, k, v, cu_q_t, cu_k_t, max(b - a for a, b in zip(cu_q, cu_q[1:])),
+                          max(b - a for a, b in zip(cu_k, cu_k[1:])), self.geo.scale,
+                          causal=causal)
         outs, lses = [], []
         for r in range(len(cu_q) - 1):
             qr = q[cu_q[r]:cu_q[r + 1]]
@@ -1102,27 +1096,31 @@ def main(argv=None) -> int:
 
 
 def pick_cuda_attention(device, geo: Geometry, tol: float):
-    """FlashAttention varlen (one call for the batch) if it runs and matches the reference on a
-    small GQA varlen problem, else per-request SDPA flash."""
+    """FlashAttention varlen (one call for the batch) where the connector would use it
+    (packed.varlen_usable: it runs and matches the per-piece kernel on a small GQA varlen problem),
+    else per-request SDPA flash if that matches the CPU kernel within `tol`."""
+    if varlen_usable(device, geo.dtype, geo.hq, geo.hkv, geo.d):
+        return Attention(device, geo, "flash_varlen"), (
+            "aten._flash_attention_forward varlen (cum_seq_q/k, packed.varlen), one call per "
+            "window for the whole batch, GQA native")
+    log("attention kernel flash_varlen: unavailable or differs from the per-piece kernel "
+        "(packed.varlen_usable), not used")
     gen = torch.Generator().manual_seed(123)
     cu_q, cu_k = [0, 3, 4], [0, 70, 100]
     q = torch.randn((4, geo.hq, geo.d), generator=gen).to(geo.dtype)
     k = torch.randn((100, geo.hkv, geo.d), generator=gen).to(geo.dtype)
     v = torch.randn((100, geo.hkv, geo.d), generator=gen).to(geo.dtype)
     ref = Attention(torch.device("cpu"), geo, "cpu_flash")(q, k, v, cu_q, cu_k, False)
-    for impl, note in (("flash_varlen", "aten._flash_attention_forward varlen (cum_seq_q/k), "
-                                        "one call per window for the whole batch, GQA native"),
-                       ("sdpa_flash", "aten._scaled_dot_product_flash_attention, one call per "
-                                      "request (flash varlen unavailable)")):
-        a = Attention(device, geo, impl)
-        try:
-            o, lse = a(q.to(device), k.to(device), v.to(device), cu_q, cu_k, False)
-            if (float((o.float().cpu() - ref[0].float()).abs().max()) <= tol
-                    and float((lse.cpu() - ref[1]).abs().max()) <= 1e-2):
-                return a, note
-            log(f"attention kernel {impl}: result differs from the CPU kernel, not used")
-        except (RuntimeError, NotImplementedError, TypeError) as e:
-            log(f"attention kernel {impl}: unavailable ({str(e).splitlines()[0][:120]})")
+    a = Attention(device, geo, "sdpa_flash")
+    try:
+        o, lse = a(q.to(device), k.to(device), v.to(device), cu_q, cu_k, False)
+        if (float((o.float().cpu() - ref[0].float()).abs().max()) <= tol
+                and float((lse.cpu() - ref[1]).abs().max()) <= 1e-2):
+            return a, ("aten._scaled_dot_product_flash_attention, one call per request (flash "
+                       "varlen unavailable)")
+        log("attention kernel sdpa_flash: result differs from the CPU kernel, not used")
+    except (RuntimeError, NotImplementedError, TypeError) as e:
+        log(f"attention kernel sdpa_flash: unavailable ({str(e).splitlines()[0][:120]})")
     raise SystemExit("no usable CUDA attention kernel")
 
 

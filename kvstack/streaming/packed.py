@@ -67,9 +67,11 @@ def plan(spans: list[int], window: int) -> list[list[Piece]]:
     return windows
 
 
-def _varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale):
-    """FlashAttention's varlen forward (CUDA): (out [rows, Hq, D], lse [Hq, rows] float32)."""
-    res = torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, False,
+def varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal=False):
+    """FlashAttention's varlen forward (CUDA): (out [rows, Hq, D], lse [Hq, rows] float32).
+    `cu_q` / `cu_k`: int32 cumulative row counts on q's device; GQA native; ``causal`` only with
+    as many keys as queries per request (the new tokens over themselves)."""
+    res = torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal,
                                                   False, scale=scale)
     out, lse = res[0], res[1]
     if lse.dim() == 3:  # [1, Hq, rows] in some builds
@@ -85,7 +87,7 @@ _VARLEN_OK: dict[tuple, bool] = {}
 def varlen_usable(device: torch.device, dtype: torch.dtype, hq: int, hkv: int, d: int) -> bool:
     """Whether FlashAttention's varlen forward runs here and gives what the per-piece kernel gives
     on a small GQA problem with an empty key range (checked once per device, dtype and shape, as
-    bench/streaming_gpu.py checks it): where it does not, packed windows are attended per piece."""
+    the floor bench picks its kernel): where it does not, packed windows are attended per piece."""
     key = (device, dtype, hq, hkv, d)
     ok = _VARLEN_OK.get(key)
     if ok is None:
@@ -95,7 +97,7 @@ def varlen_usable(device: torch.device, dtype: torch.dtype, hq: int, hkv: int, d
         v = torch.randn((100, hkv, d), generator=gen).to(dtype)
         cu_q, cu_k = [0, 3, 4, 6], [0, 70, 70, 100]  # the second request: no keys here
         try:
-            out, lse = _varlen(q.to(device), k.to(device), v.to(device),
+            out, lse = varlen(q.to(device), k.to(device), v.to(device),
                                torch.tensor(cu_q, dtype=torch.int32, device=device),
                                torch.tensor(cu_k, dtype=torch.int32, device=device), 3, 70,
                                d ** -0.5)
@@ -185,7 +187,7 @@ def _attend_varlen(reqs: list[_Req], pieces: list[Piece], whole, query: torch.Te
         cu_k.append(end_k)
     dev = query.device
     try:
-        out, lse = _varlen(query[a0:reqs[last].b], k, v,
+        out, lse = varlen(query[a0:reqs[last].b], k, v,
                            torch.tensor(cu_q, dtype=torch.int32, device=dev),
                            torch.tensor(cu_k, dtype=torch.int32, device=dev),
                            max(b - a for a, b in zip(cu_q, cu_q[1:])),

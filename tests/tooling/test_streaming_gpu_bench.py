@@ -144,6 +144,61 @@ def test_the_bench_attends_windows_with_the_connectors_code(monkeypatch):
     assert torch.allclose(out2, out + 1)
 
 
+def test_the_bench_picks_and_calls_the_connectors_varlen_kernel(monkeypatch):
+    """The bench's one-call-per-window kernel is the connector's (packed.varlen, picked by
+    packed.varlen_usable, the check packed windows make), not a copy: with a stand-in for
+    FlashAttention (per request the CPU window kernel) the bench's batch result equals per-request
+    attention; the control: where the connector's check refuses the kernel, neither is used."""
+    import torch
+
+    from kvstack.streaming import packed
+
+    mod = _bench_module()
+    assert mod.varlen is packed.varlen and mod.varlen_usable is packed.varlen_usable
+    geo = mod.Geometry(layers=1, hq=4, hkv=2, d=16, page=16, dtype=torch.float32)
+    torch.manual_seed(0)
+    q, k, v = torch.randn(4, 4, 16), torch.randn(100, 2, 16), torch.randn(100, 2, 16)
+    per_request = mod.Attention(torch.device("cpu"), geo, "cpu_flash")
+    ref = per_request(q, k, v, [0, 3, 4], [0, 70, 100], False)
+
+    def stand_in(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal=False):
+        """Per request the CPU kernel; an empty key range gives lse +inf as FlashAttention
+        writes it (torch's CPU kernel would stop the process over zero keys: SIGFPE)."""
+        assert not causal and cu_q.dtype == torch.int32
+        cq, ck = cu_q.tolist(), cu_k.tolist()
+        calls.append((cq, ck))
+        outs, lses = [], []
+        for i in range(len(cq) - 1):
+            if ck[i + 1] == ck[i]:
+                outs.append(torch.zeros(cq[i + 1] - cq[i], q.shape[1], v.shape[-1]))
+                lses.append(torch.full((q.shape[1], cq[i + 1] - cq[i]), float("inf")))
+            else:
+                o, lse = per_request(q[cq[i]:cq[i + 1]], k[ck[i]:ck[i + 1]], v[ck[i]:ck[i + 1]],
+                                     [0, cq[i + 1] - cq[i]], [0, ck[i + 1] - ck[i]], False)
+                outs.append(o.float()), lses.append(lse)
+        return torch.cat(outs), torch.cat(lses, 1)
+
+    calls: list = []
+    monkeypatch.setattr(packed, "_VARLEN_OK", {})
+    monkeypatch.setattr(packed, "varlen", stand_in)
+    monkeypatch.setattr(mod, "varlen", stand_in)  # what `from ... import varlen` bound
+    attn, note = mod.pick_cuda_attention(torch.device("cpu"), geo, 1e-3)
+    assert attn.impl == "flash_varlen" and "packed.varlen" in note
+    calls.clear()
+    out, lse = attn(q, k, v, [0, 3, 4], [0, 70, 100], False)
+    assert calls == [([0, 3, 4], [0, 70, 100])]  # one call for both requests
+    torch.testing.assert_close(out, ref[0])
+    torch.testing.assert_close(lse, ref[1])
+    # control: the connector's check refuses the kernel -> the bench does not use it either
+    monkeypatch.setattr(mod, "varlen_usable", lambda *a: False)
+    calls.clear()
+    try:  # per-request SDPA flash, where torch runs it on this device
+        impl = mod.pick_cuda_attention(torch.device("cpu"), geo, 1e-3)[0].impl
+    except SystemExit:
+        impl = None
+    assert impl in (None, "sdpa_flash") and calls == []
+
+
 def test_window_plan_covers_each_history_once():
     """The page-table-driven copy plan: every streamed token copied exactly once, runs of
     consecutive pool pages coalesced, windows never over budget, requests contiguous per window."""

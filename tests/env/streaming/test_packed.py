@@ -127,7 +127,7 @@ def test_one_varlen_call_per_window_equals_full_attention(monkeypatch, cases):
         calls.append(args[3].tolist())
         return _varlen_on_cpu(*args)
 
-    monkeypatch.setattr(packed, "_varlen", kernel)
+    monkeypatch.setattr(packed, "varlen", kernel)
     store, segments, q, k, v, full = _step(cases, 8, "shuffled", seed=1)
     t = Transfer(DeferredMedium())  # asynchronous: every window in one staging buffer
     out = torch.empty_like(q)
@@ -232,7 +232,7 @@ def test_the_varlen_kernel_is_used_only_where_it_checks_out(monkeypatch):
     keys (wrong) and one that raises (missing) are not, and packed windows go per piece."""
     cpu = torch.device("cpu")
     monkeypatch.setattr(packed, "_VARLEN_OK", {})
-    monkeypatch.setattr(packed, "_varlen", _varlen_on_cpu)
+    monkeypatch.setattr(packed, "varlen", _varlen_on_cpu)
     assert packed.varlen_usable(cpu, torch.float32, Hq, Hkv, D)
 
     def wrong(q, k, v, cu_q, cu_k, *rest):
@@ -245,5 +245,5 @@ def test_the_varlen_kernel_is_used_only_where_it_checks_out(monkeypatch):
 
     for kernel in (wrong, missing):
         monkeypatch.setattr(packed, "_VARLEN_OK", {})
-        monkeypatch.setattr(packed, "_varlen", kernel)
+        monkeypatch.setattr(packed, "varlen", kernel)
         assert not packed.varlen_usable(cpu, torch.float32, Hq, Hkv, D)
