@@ -250,22 +250,15 @@ class Transfer:
                 if len(one) == 1:  # one run of pages: the window is a slice of the pools
                     s = one[0][1] * P + start % P
                     self.windows_loaded += 1
-                    return pools[0][s:s + end - start], pools[1][s:s + end - start], None
+                    return (start, pools[0][s:s + end - start], pools[1][s:s + end - start]), \
+                        None, None
             if not staged:
                 staged.append(self._buffers(k_pool, staging_tokens(window, P), dtype))
             key, bufs = staged[0]
-            return self._load(pools, P, runs, start, end, bufs[i % 2], key, i % 2)
+            k, v, ready = self._load(pools, P, runs, start, end, bufs[i % 2], key, i % 2)
+            return (start, k, v), ready, key
 
-        count = -(-ctx // window)
-        pending = window_at(0)
-        for i in range(count):
-            k, v, ready = pending
-            if i + 1 < count:  # overlaps with the caller's attention of this window
-                pending = window_at(i + 1)
-            self.medium.compute_waits(ready)
-            yield i * window, k, v
-            if staged:
-                self._consumed[staged[0][0]][i % 2] = self.medium.compute_event()
+        yield from self._double_buffered(-(-ctx // window), window_at)
 
     def packed(self, k_pool: torch.Tensor, v_pool: torch.Tensor, pages_of: list[list[int]],
                windows: list[list], window: int, dtypes: list[torch.dtype | None]
@@ -297,7 +290,7 @@ class Transfer:
                                   pools[1][s:s + pc.end - pc.start])
             self.windows_loaded += 1
             if all(kv is not None for kv in kvs):
-                return pieces, kvs, None, None, None
+                return (pieces, kvs, None), None, None
             key, bufs = self._buffers(k_pool, staging_tokens(window, P), dtype)
             bk, bv = bufs[i % 2]
             with m.on_copy_stream():
@@ -315,15 +308,24 @@ class Transfer:
                 ready = m.copy_event()
             fill = max(pc.at + pc.end - pc.start for pc in pieces)
             whole = (bk[:fill], bv[:fill], fill) if not m.zero_copy(k_pool, dtype) else None
-            return pieces, kvs, whole, ready, key
+            return (pieces, kvs, whole), ready, key
 
+        yield from self._double_buffered(len(windows), window_at)
+
+    def _double_buffered(self, count: int, window_at) -> Iterator:
+        """Windows 0..count-1, each loaded (``window_at(i)``: (what to yield, its copy event,
+        the staging buffers' key or None where nothing was copied into buffer i % 2)) while the
+        caller attends the one before: the compute stream waits for a window's copies before the
+        caller gets it, and once the caller asks for the next one, buffer i % 2 is marked
+        consumed (the copy stream waits for that before it overwrites the buffer)."""
+        m = self.medium
         pending = window_at(0)
-        for i in range(len(windows)):
-            pieces, kvs, whole, ready, key = pending
-            if i + 1 < len(windows):  # overlaps with the caller's attention of this window
+        for i in range(count):
+            item, ready, key = pending
+            if i + 1 < count:  # overlaps with the caller's attention of this window
                 pending = window_at(i + 1)
             m.compute_waits(ready)
-            yield pieces, kvs, whole
+            yield item
             if key is not None:
                 self._consumed[key][i % 2] = m.compute_event()
 
