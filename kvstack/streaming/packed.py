@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .transfer import PagedHistory, Transfer
+from .transfer import PagedHistory, Transfer, slot_runs
 from .windowed import Partials, WindowQuery, attend, cpu_kernel_dtype
 
 
@@ -65,6 +65,28 @@ def plan(spans: list[int], window: int) -> list[list[Piece]]:
     if cur:
         windows.append(cur)
     return windows
+
+
+def span(new_tokens: int, ctx: int) -> int:
+    """The history a request's windows cover: its `ctx` tokens, and a decode token's own (its K/V
+    go to the pools first and are read back with its history)."""
+    return ctx + 1 if new_tokens == 1 and ctx > 0 else ctx
+
+
+class StepPlan:
+    """What packed windows of a step need that every layer of a streaming group shares (same
+    requests, pages and page size): the spans, the windows (`plan`) and each piece's runs of
+    consecutive pool slots (`slot_runs`). Built once per step and window size (the worker's
+    _Batch keeps it), not per layer."""
+
+    __slots__ = ("spans", "windows", "runs", "window", "page_tokens")
+
+    def __init__(self, segments: list, window: int, page_tokens: int):
+        self.window, self.page_tokens = window, page_tokens
+        self.spans = [span(b - a, r.start) for a, b, r in segments]
+        self.windows = plan(self.spans, window)
+        self.runs = [[slot_runs(segments[pc.req][2].pages, page_tokens, pc.start, pc.end - pc.start)
+                      for pc in pieces] for pieces in self.windows]
 
 
 def varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal=False):
@@ -123,10 +145,10 @@ class _Req:
         q = query[a:b]
         self.hist = PagedHistory(transfer, k_pool, v_pool, r.pages)
         self.parts = Partials(query.device)
-        self.span, self.append_after = self.ctx, True
-        if T == 1 and self.ctx > 0:  # a decode token: its K/V first, read back with its history
+        self.span = span(T, self.ctx)
+        self.append_after = self.span == self.ctx
+        if not self.append_after:  # a decode token: its K/V first, read back with its history
             self.hist.append(self.ctx, key[a:b], value[a:b])
-            self.span, self.append_after = self.ctx + 1, False
         self.kernel = (cpu_kernel_dtype(query.dtype, T * Hq // Hkv)
                        if query.device.type == "cpu" and self.ctx > 0 else None)
         self.wq = WindowQuery(q, scale, self.kernel)
@@ -139,14 +161,19 @@ class _Req:
 def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      segments: list, k_pool: torch.Tensor, v_pool: torch.Tensor,
                      transfer: Transfer, window: int, scale: float, output: torch.Tensor,
-                     use_varlen: bool | None = None) -> None:
+                     use_varlen: bool | None = None, step: StepPlan | None = None) -> None:
     """Causal attention of each request of the step (`segments`: (first row, end row, ReqStep
     with ``start`` and ``pages``) in batch order) over its history in the pools + its new tokens,
     into ``output[a:b]``; the new tokens' K/V written to the pools. ``use_varlen``: one
-    FlashAttention varlen call per window (default: on CUDA), else one kernel call per piece."""
+    FlashAttention varlen call per window (default: on CUDA), else one kernel call per piece.
+    ``step``: the step's StepPlan for these segments, `window` and the pools' page size (made
+    here when not given)."""
+    if step is None:
+        step = StepPlan(segments, window, k_pool.shape[1])
     reqs = [_Req(a, b, r, query, key, value, transfer, k_pool, v_pool, scale)
             for a, b, r in segments]
-    windows = plan([q.span for q in reqs], window)
+    assert step.spans == [rq.span for rq in reqs], "a StepPlan of another step"
+    windows = step.windows
     # a window's staging dtype: its requests' kernel dtype where they agree, else float32 (each
     # WindowQuery converts what is not its own)
     dtypes = []
@@ -156,8 +183,7 @@ def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     if use_varlen is None:
         use_varlen = query.device.type == "cuda" and varlen_usable(
             query.device, query.dtype, query.shape[1], key.shape[1], query.shape[2])
-    for pieces, kvs, whole in transfer.packed(k_pool, v_pool, [r.pages for _, _, r in segments],
-                                              windows, window, dtypes):
+    for pieces, kvs, whole in transfer.packed(k_pool, v_pool, windows, step.runs, window, dtypes):
         if use_varlen and whole is not None and _attend_varlen(reqs, pieces, whole, query, scale):
             continue
         for pc, (k, v) in zip(pieces, kvs):

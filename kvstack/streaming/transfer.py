@@ -260,14 +260,15 @@ class Transfer:
 
         yield from self._double_buffered(-(-ctx // window), window_at)
 
-    def packed(self, k_pool: torch.Tensor, v_pool: torch.Tensor, pages_of: list[list[int]],
-               windows: list[list], window: int, dtypes: list[torch.dtype | None]
+    def packed(self, k_pool: torch.Tensor, v_pool: torch.Tensor, windows: list[list],
+               runs_of: list[list[list[tuple[int, int, int]]]], window: int,
+               dtypes: list[torch.dtype | None]
                ) -> Iterator[tuple[list, list[tuple[torch.Tensor, torch.Tensor]], tuple | None]]:
         """The packed windows of a step (packed.plan: pieces of several requests' histories back to
-        back, `pages_of[req]` each request's pages), one after another: per window its pieces, the
-        K/V of each piece ([tokens, H, D] on the device) and the window's staging buffers holding
-        them all at the pieces' offsets ``(k, v, tokens)`` (None where a piece is a view of the
-        pools). Each piece is loaded token-exact, one copy per run of consecutive pool slots, on the
+        back; ``runs_of[i][j]``: the pool slot runs of window i's piece j, `slot_runs` of its
+        request's pages), one after another: per window its pieces, the K/V of each piece
+        ([tokens, H, D] on the device) and the window's staging buffers holding them all at the
+        pieces' offsets ``(k, v, tokens)`` (None where a piece is a view of the pools). Each piece is loaded token-exact, one copy per run of consecutive pool slots, on the
         copy stream; the next window loads while the caller attends this one, and the caller must
         be done with a window (on the compute stream) when it asks for the next. ``dtypes``: each
         window's staging dtype (None: `Medium.staging_dtype`). Where the medium shares the pools'
@@ -279,8 +280,7 @@ class Transfer:
         m = self.medium
 
         def window_at(i: int):
-            pieces, dtype = windows[i], dtypes[i]
-            runs = [slot_runs(pages_of[pc.req], P, pc.start, pc.end - pc.start) for pc in pieces]
+            pieces, dtype, runs = windows[i], dtypes[i], runs_of[i]
             kvs: list = [None] * len(pieces)
             if m.zero_copy(k_pool, dtype):
                 for j, (pc, rr) in enumerate(zip(pieces, runs)):

@@ -17,7 +17,7 @@ from .config import StreamingConfig
 from .compat import cpu_attn_isa
 from .host_tier import HostStore
 from .layout import PageTables, ReqStep, StreamingMetadata, _Layout
-from .packed import packed_attention
+from .packed import StepPlan, packed_attention
 from .shared_tier import SharedTier, open_for_engine, predict_store_tag, store_tag
 from .transfer import PagedHistory, transfers
 from .windowed import Features, windowed_attention
@@ -238,7 +238,7 @@ class _WorkerSide:
                 # several requests, plain scores: their histories packed into shared windows,
                 # one load and (on a GPU) one varlen call per window (packed.py)
                 packed_attention(query, key, value, batch.segments, kp, vp, transfer, window,
-                                 scale, output)
+                                 scale, output, step=batch.packed_plan(window, kp.shape[1]))
             else:
                 for a, b, r in batch.segments:
                     # the new K/V reach the pools through the history (PagedHistory.append)
@@ -254,9 +254,18 @@ class _WorkerSide:
 
 class _Batch:
     """A step's batch as a streaming group sees it: (first row, end row, request) per request,
-    the rows in use, and for the in-place CPU path the kernel's view of it."""
+    the rows in use, for the in-place CPU path the kernel's view of it, and for packed windows
+    their plan per window size (made at the group's first layer, used by every layer)."""
 
     def __init__(self, segments: list[tuple[int, int, ReqStep]], num_tokens: int):
         self.segments = segments
         self.num_tokens = num_tokens
         self.kernel: cpu_native.KernelBatch | None = None
+        self._plans: dict[tuple[int, int], StepPlan] = {}
+
+    def packed_plan(self, window: int, page_tokens: int) -> StepPlan:
+        plan = self._plans.get((window, page_tokens))
+        if plan is None:
+            plan = self._plans[(window, page_tokens)] = StepPlan(self.segments, window,
+                                                                 page_tokens)
+        return plan

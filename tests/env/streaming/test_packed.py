@@ -227,6 +227,77 @@ def test_the_worker_side_packs_a_steps_requests_without_pinning_or_blocking(monk
     assert t.windows_loaded - loaded == 2  # 46 tokens in windows of 32
 
 
+def test_the_plan_is_made_once_per_step_for_every_layer_of_a_group(monkeypatch):
+    """Two streaming layers of one group, two steps of two requests each: the packed plan (windows
+    and slot runs) is made once per step, at the group's first layer, and both layers' outputs
+    equal full attention in both steps. Control: the second step (other requests, other lengths)
+    gets a plan of its own, not the first step's (which would not cover its histories)."""
+    from kvstack.streaming.layout import ReqStep, StreamingMetadata
+    from test_transfer import _worker
+
+    made = []
+    real = packed.StepPlan.__init__
+
+    def counting(self, segments, window, page_tokens):
+        real(self, segments, window, page_tokens)
+        made.append(list(self.spans))
+
+    monkeypatch.setattr(packed.StepPlan, "__init__", counting)
+    m = DeferredMedium()
+    ws, t = _worker(m, page=8, window=32, layers=("L", "M"))
+    layers = [SimpleNamespace(layer_name=n, impl=SimpleNamespace(scale=0.3)) for n in "LM"]
+    torch.manual_seed(4)
+    n = {"a": 52, "b": 44, "c": 30}
+    qkv = {(r, ln): (torch.randn(n[r], 4, 32), torch.randn(n[r], 2, 32), torch.randn(n[r], 2, 32))
+           for r in n for ln in "LM"}
+    pages = {"a": [0, 1, 2, 3, 4, 5, 6], "b": [13, 12, 11, 10, 9, 8], "c": [20, 21, 22, 23]}
+    anchor = {"a": 1000, "b": 2000, "c": 3000}
+
+    def step(reqs):
+        ws.begin_step(StreamingMetadata(reqs=reqs))
+        lens = [r.num_tokens for r in reqs]
+        qsl = torch.tensor([0] + [sum(lens[:i + 1]) for i in range(len(lens))])
+        slots = torch.cat([torch.arange(r.anchor_slot, r.anchor_slot + r.num_tokens) for r in reqs])
+        outs = {}
+        for layer in layers:
+            rows = [qkv[(r.req_id, layer.layer_name)] for r in reqs]
+            q, k, v = (torch.cat([x[i][r.start:r.start + r.num_tokens] for x, r in zip(rows, reqs)])
+                       for i in range(3))
+            out = torch.empty(q.shape[0], 4, 32)
+            ws.attention(layer, q, k, v, out,
+                         SimpleNamespace(query_start_loc=qsl, slot_mapping=slots))
+            outs[layer.layer_name] = out
+        ws.end_step()
+        return outs
+
+    def check(outs, reqs):
+        a = 0
+        for r in reqs:
+            for ln in "LM":
+                q, k, v = qkv[(r.req_id, ln)]
+                end = r.start + r.num_tokens
+                torch.testing.assert_close(
+                    outs[ln][a:a + r.num_tokens].double(),
+                    reference(q[r.start:end], k[:end], v[:end], 0.3, r.start),
+                    atol=2e-5, rtol=2e-5)
+            a += r.num_tokens
+
+    for r in ("a", "b", "c"):  # each request's first 40 (c: 24) tokens, a step of its own
+        first = 24 if r == "c" else 40
+        step([ReqStep(r, 0, first, anchor[r], pages[r])])
+    made.clear()
+    reqs = [ReqStep("a", 40, 12, anchor["a"] + 40, [], known_pages=7),
+            ReqStep("b", 40, 1, anchor["b"] + 40, [], known_pages=6)]
+    check(step(reqs), reqs)
+    assert made == [[40, 41]]  # once for both layers
+    reqs = [ReqStep("b", 41, 1, anchor["b"] + 41, [], known_pages=6),
+            ReqStep("c", 24, 6, anchor["c"] + 24, [], known_pages=4)]
+    check(step(reqs), reqs)
+    assert made == [[40, 41], [42, 24]]  # the control: a plan of its own
+    m.sync_writes()
+    assert m.landed == m.issued
+
+
 def test_the_varlen_kernel_is_used_only_where_it_checks_out(monkeypatch):
     """varlen_usable: the stand-in kernel (right) is accepted; one that drops the last request's
     keys (wrong) and one that raises (missing) are not, and packed windows go per piece."""

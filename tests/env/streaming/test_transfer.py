@@ -255,14 +255,14 @@ def test_a_missing_wait_is_caught_by_the_fake_device():
     assert not torch.allclose(out.double(), reference(q, k, v, 0.2, 64), atol=1e-3)
 
 
-def _worker(medium, page=8, window=16):
+def _worker(medium, page=8, window=16, layers=("L",)):
     from kvstack.streaming.config import StreamingConfig
     from kvstack.streaming.layout import _Layout
     from kvstack.streaming.worker_side import _WorkerSide
 
-    cfg = StreamingConfig(streaming_layers=["L"], page_tokens=page, window_tokens=window,
+    cfg = StreamingConfig(streaming_layers=list(layers), page_tokens=page, window_tokens=window,
                           cpu_native_attention=False)
-    layout = _Layout(group=0, block_size=16, layers=("L",), num_kv_heads=2, head_size=32,
+    layout = _Layout(group=0, block_size=16, layers=tuple(layers), num_kv_heads=2, head_size=32,
                      dtype=torch.float32, num_pages=32, reuse_ok=True)
     ws = _WorkerSide(cfg, layout)
     ws._open_store()
