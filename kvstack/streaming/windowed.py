@@ -80,7 +80,10 @@ def merge(*args) -> None:
 
 
 def _flash(q, k, v, scale, causal):
-    """torch's fused attention kernels that also return the LSE (CPU: float32 in/out)."""
+    """torch's fused attention kernels that also return the LSE (CPU: float32 in/out). On the
+    CPU the causal kernel takes GQA as it is (query head h over KV head h // rep, checked equal to
+    repeating K/V); on a GPU K/V are repeated per query head (torch's CUDA flash op is not relied
+    on for GQA there)."""
     if not causal:
         out, lse = WindowQuery(q, scale).attend(k, v)
         return out.float(), lse.float()
@@ -88,12 +91,14 @@ def _flash(q, k, v, scale, causal):
     if q.device.type == "cpu":
         op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
         q, k, v = q.float(), k.float(), v.float()
+        rep = 1
     else:
         op = torch.ops.aten._scaled_dot_product_flash_attention
     qh = q.transpose(0, 1).unsqueeze(0)
-    kh = k.repeat_interleave(rep, 1).transpose(0, 1).unsqueeze(0)
-    vh = v.repeat_interleave(rep, 1).transpose(0, 1).unsqueeze(0)
-    res = op(qh, kh, vh, 0.0, causal, scale=scale)
+    if rep > 1:
+        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    res = op(qh, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0), 0.0, causal,
+             scale=scale)
     return res[0][0].transpose(0, 1).float(), res[1][0].float()
 
 

@@ -197,3 +197,25 @@ def test_config_and_auto_layer_selection():
         False, True, False, False]
     with pytest.raises(ValueError):
         StreamingConfig.from_extra({"window_tokens": 0})
+
+
+def test_new_tokens_attend_gqa_without_repeating_kv_on_the_cpu(monkeypatch):
+    """Issue 32 point 4: the new tokens' causal partial takes GQA as it is on the CPU (query head
+    h over KV head h // rep), no K/V repeated per query head; equal to full attention. Control:
+    the new tokens' two KV heads swapped change the output (the grouping is checked, not
+    assumed)."""
+    torch.manual_seed(11)
+    Hq, Hkv, D, ctx, new = 8, 2, 32, 40, 9
+    q, k, v = torch.randn(new, Hq, D), torch.randn(ctx + new, Hkv, D), torch.randn(ctx + new, Hkv, D)
+    ref = reference(q, k, v, D ** -0.5, ctx)  # repeats K/V itself: before the patch below
+
+    def forbidden(*a, **kw):
+        raise AssertionError("K/V repeated per query head on the CPU")
+
+    history = lambda s, e: (k[s:e], v[s:e])  # noqa: E731
+    monkeypatch.setattr(torch.Tensor, "repeat_interleave", forbidden)
+    out = windowed_attention(q, k[ctx:], v[ctx:], history, ctx, 16, D ** -0.5)
+    torch.testing.assert_close(out.double(), ref, **TOL[torch.float32])
+    swapped = k[ctx:].flip(1), v[ctx:].flip(1)
+    out2 = windowed_attention(q, *swapped, history, ctx, 16, D ** -0.5)
+    assert (out2.double() - ref).abs().max() > 1e-2
