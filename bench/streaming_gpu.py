@@ -36,17 +36,18 @@ import random
 import statistics
 import sys
 import time
-import weakref
 from dataclasses import dataclass, field
 
 import torch
 
-# the connector's copy planning, its window attention and its varlen kernel (kvstack/streaming/
-# transfer.py, windowed.py and packed.py import only torch, vLLM's merge only when it is there;
-# the working tree a GPU machine gets holds them, so nothing needs carrying)
+# the connector's copy planning, its window attention, its varlen kernel and its pinned pools
+# (kvstack/streaming/transfer.py, windowed.py, packed.py and pinned.py import only torch, vLLM's
+# merge only when it is there; the working tree a GPU machine gets holds them, so nothing needs
+# carrying)
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from kvstack.streaming.config import DEFAULT_WINDOW_MIB  # noqa: E402  (the connector's window)
 from kvstack.streaming.packed import varlen, varlen_usable  # noqa: E402
+from kvstack.streaming.pinned import HostArena  # noqa: E402
 from kvstack.streaming.transfer import slot_runs  # noqa: E402
 from kvstack.streaming.windowed import WindowQuery  # noqa: E402
 
@@ -154,57 +155,12 @@ def cumsum(xs: list[int]) -> list[int]:
 # Host tier
 
 
-def _cuda_err(r) -> int:
-    try:
-        return int(r)
-    except TypeError:
-        return int(getattr(r, "value", 1))
-
-
-PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-
-
-def _clear_cuda_error() -> None:
-    """A failed cudaHostRegister/Unregister leaves its code as the CUDA runtime's last error, which
-    torch then raises at an unrelated later call (seen on an H200: "part or all of the requested
-    memory range is already mapped" at a ``torch.empty``). torch's ``cudart()`` binding has no
-    cudaGetLastError, so read it off through the libcudart torch has loaded."""
-    try:
-        import ctypes
-        with open("/proc/self/maps") as f:
-            paths = {ln.split()[-1] for ln in f if "libcudart.so" in ln}
-        for path in paths:
-            ctypes.CDLL(path).cudaGetLastError()
-    except Exception:  # noqa: BLE001 - best effort; torch reports whatever is left
-        pass
-
-
-def _unregister(ptrs: list[int]) -> None:
-    """Unregister pinned ranges before their memory goes back to the allocator: a range left
-    registered is refused when the same addresses are registered again (AlreadyRegistered)."""
-    for ptr in ptrs:
-        try:
-            if _cuda_err(torch.cuda.cudart().cudaHostUnregister(ptr)) != 0:
-                _clear_cuda_error()
-        except Exception:  # noqa: BLE001
-            _clear_cuda_error()
-    ptrs.clear()
-
-
-def _page_aligned_empty(shape, dtype) -> torch.Tensor:
-    """A tensor that starts on an OS page and owns every page it touches (its storage has a page
-    of slack on each side), so registering it never overlaps another registration."""
-    n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    raw = torch.empty(-(-n // PAGE_BYTES) * PAGE_BYTES + PAGE_BYTES, dtype=torch.uint8)
-    off = (-raw.data_ptr()) % PAGE_BYTES
-    return raw[off:off + n].view(dtype).view(shape)
-
-
 class HostTier:
     """Per layer a K and a V pool [num_pages, page, Hkv, D]. With CUDA the pools are page-locked:
-    allocated, filled, then registered with cudaHostRegister (torch's pinned allocator rounds each
-    allocation up to a power of two, which would waste up to half of the host's memory);
-    ``pin_memory=True`` allocation is the fallback."""
+    each a `pinned.HostArena` (the connector's host tier allocates its pools the same way):
+    page-aligned, exactly its size, registered with cudaHostRegister (torch's pinned allocator
+    rounds each allocation up to a power of two, which would waste up to half of the host's
+    memory); ``pin_memory=True`` allocation is the fallback."""
 
     def __init__(self, geo: Geometry, num_pages: int, pin: bool, fill_seed: int | None,
                  label: str = "host tier"):
@@ -214,16 +170,17 @@ class HostTier:
         self.v: list[torch.Tensor] = []
         self.pin_method = "none"
         self.pin_error = ""
-        self._registered: list[int] = []
-        # unregistered when the tier is collected, before its pools are freed
-        weakref.finalize(self, _unregister, self._registered)
+        self._arenas: list[HostArena] = []  # unregistered when the tier (and they) are collected
         t0 = time.perf_counter()
         gen = torch.Generator().manual_seed(fill_seed if fill_seed is not None else 0)
         pattern = torch.randn((64, geo.page, geo.hkv, geo.d), generator=gen).to(geo.dtype)
         for layer in range(geo.layers):
             for pools in (self.k, self.v):
-                t = _page_aligned_empty(shape, geo.dtype) if pin else torch.empty(shape,
-                                                                                  dtype=geo.dtype)
+                arena = HostArena(math.prod(shape), geo.dtype, pin)
+                self._arenas.append(arena)
+                self.pin_method = arena.method
+                self.pin_error = self.pin_error or arena.error
+                t = arena.tensor.view(shape)
                 if fill_seed is not None:  # small pools (exactness check): random everywhere
                     t.copy_(torch.randn(shape, generator=gen))
                 else:  # big pools: a repeated random pattern (touches every page; fast)
@@ -233,38 +190,10 @@ class HostTier:
                             full // 64, *pattern.shape))
                     if num_pages - full:
                         t[full:].copy_(pattern[:num_pages - full])
-                if pin:
-                    t = self._pin(t)
                 pools.append(t)
             if num_pages * geo.page * geo.layer_token_bytes >= GIB:
                 log(f"  {label}: layer {layer + 1}/{geo.layers} allocated "
                     f"({time.perf_counter() - t0:.1f} s, pinned: {self.pin_method})")
-
-    def _pin(self, t: torch.Tensor) -> torch.Tensor:
-        try:
-            # the whole storage the page-aligned view lies in: torch's is_pinned() asks about the
-            # storage's base pointer, which a range starting at the view's (aligned) first byte
-            # does not contain (seen on an H200: registered, yet not seen as pinned)
-            st = t.untyped_storage()
-            base, size = st.data_ptr(), st.nbytes()
-            r = _cuda_err(torch.cuda.cudart().cudaHostRegister(base, size, 0))
-            if r == 0:
-                self._registered.append(base)
-                if t.is_pinned():
-                    self.pin_method = "cudaHostRegister"
-                    return t
-                self.pin_error = "registered but not seen as pinned"
-                _unregister([self._registered.pop()])
-            else:
-                self.pin_error = f"cudaHostRegister error {r}"
-                _clear_cuda_error()
-        except Exception as e:  # noqa: BLE001 - fall back to torch's pinned allocator
-            self.pin_error = f"cudaHostRegister: {e}"
-            _clear_cuda_error()
-        p = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        p.copy_(t)
-        self.pin_method = "pin_memory=True"
-        return p
 
     def flat(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         g = self.geo

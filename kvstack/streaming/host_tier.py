@@ -6,9 +6,10 @@ Two halves, as in vLLM's own paged cache:
   content hashes of full prompt pages for prefix reuse (kept, LRU-evictable, after the request
   finishes), and the counters reported as stats. It allocates; it never touches tensor data.
 - `HostStore` (worker side) holds the tensors, one K and one V pool per streaming layer
-  (``[num_pages, page_tokens, num_kv_heads, head_size]``; pinned host memory when CUDA is
-  available, plain memory on CPU, or a memory-mapped file), and reads/writes token ranges of a
-  request given its page list.
+  (``[num_pages, page_tokens, num_kv_heads, head_size]``; one page-locked arena for all of them
+  when CUDA is available (pinned.HostArena: registered with cudaHostRegister, exactly its size),
+  plain memory on CPU, or a memory-mapped file), and reads/writes token ranges of a request given
+  its page list.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
+
+from .pinned import HostArena
 
 
 class HostTierFull(RuntimeError):
@@ -224,6 +227,7 @@ class HostStore:
             raise ValueError(f"kvstack host tier: unknown layout {layout!r}")
         self.page_tokens = page_tokens
         self.layout = layout
+        self.arena: HostArena | None = None  # the pools' memory (None: a file)
         numel = num_pages * page_tokens * num_kv_heads * head_size  # K (or V) of one layer
         if pin is None:
             pin = torch.cuda.is_available() and layout == "tokens"
@@ -234,10 +238,13 @@ class HostStore:
                                    dtype=dtype)
             per_layer = flat.split(2 * numel)
         else:
-            # The CPU kernel reads whole blocks and masks the tail: it must hold numbers, never
-            # NaN (a new file is zeros; earlier contents of a kept file are K/V values)
-            alloc = torch.zeros if layout == "cpu_kernel" else torch.empty
-            per_layer = [alloc(2 * numel, dtype=dtype, pin_memory=pin) for _ in layer_names]
+            # One arena for every layer's pools, allocated once (pinned: registered, exactly its
+            # size; torch's pinned allocator would round it up to a power of two). The CPU kernel
+            # reads whole blocks and masks the tail: its pools must hold numbers, never NaN
+            # (zeros; a new file is zeros too, a kept file's earlier contents are K/V values)
+            self.arena = HostArena(2 * numel * len(layer_names), dtype, pin,
+                                   zero=layout == "cpu_kernel")
+            per_layer = self.arena.tensor.split(2 * numel)
         self.k: dict[str, torch.Tensor] = {}
         self.v: dict[str, torch.Tensor] = {}
         self.kv: dict[str, torch.Tensor] = {}

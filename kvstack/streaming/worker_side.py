@@ -138,6 +138,12 @@ class _WorkerSide:
                                self.layout.head_size, self.layout.dtype,
                                path=self.cfg.host_tier_path,
                                layout="cpu_kernel" if self.in_place else "tokens")
+        arena = self.store.arena
+        if arena is not None and arena.method != "none":  # a GPU host: say how it is pinned
+            logger.info("kvstack streaming: host tier of %.2f GiB (%d layers) page-locked by %s%s",
+                        arena.tensor.numel() * arena.tensor.element_size() / (1 << 30),
+                        len(self.layout.layers), arena.method,
+                        f" ({arena.error})" if arena.error else "")
 
     def begin_step(self, meta: StreamingMetadata) -> None:
         self.tables.apply(meta)

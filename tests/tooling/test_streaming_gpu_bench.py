@@ -199,6 +199,31 @@ def test_the_bench_picks_and_calls_the_connectors_varlen_kernel(monkeypatch):
     assert impl in (None, "sdpa_flash") and calls == []
 
 
+def test_the_benchs_pools_are_the_connectors_arenas(monkeypatch):
+    """The bench's host tier allocates each pool as the connector's host tier does
+    (pinned.HostArena: page-aligned, registered, exactly its size; tests/env/streaming/
+    test_pinned.py pins the arena itself): pinned where asked (here through a fallback that
+    records the call, there being no CUDA), plain otherwise, the pools filled either way."""
+    import torch
+
+    from kvstack.streaming import pinned
+
+    mod = _bench_module()
+    assert mod.HostArena is pinned.HostArena
+    assert not hasattr(mod, "_page_aligned_empty") and not hasattr(mod, "_unregister")
+    geo = mod.Geometry(layers=2, hq=4, hkv=2, d=16, page=16, dtype=torch.bfloat16)
+    plain = mod.HostTier(geo, 8, pin=False, fill_seed=1)
+    assert plain.pin_method == "none" and len(plain._arenas) == 4
+    made = []
+    monkeypatch.setattr(pinned, "torch_pinned",
+                        lambda n, dtype, zero=False: made.append(n) or torch.empty(n, dtype=dtype))
+    tier = mod.HostTier(geo, 8, pin=True, fill_seed=1)
+    assert made == [8 * 16 * 2 * 16] * 4 and tier.pin_method == "pin_memory=True"
+    assert tier.pin_error.startswith("cudaHostRegister")  # no CUDA runtime here: said why
+    for a, b in zip(tier.k + tier.v, plain.k + plain.v):
+        assert torch.equal(a, b)  # the same random fill
+
+
 def test_window_plan_covers_each_history_once():
     """The page-table-driven copy plan: every streamed token copied exactly once, runs of
     consecutive pool pages coalesced, windows never over budget, requests contiguous per window."""
