@@ -120,9 +120,9 @@ def varlen_usable(device: torch.device, dtype: torch.dtype, hq: int, hkv: int, d
         cu_q, cu_k = [0, 3, 4, 6], [0, 70, 70, 100]  # the second request: no keys here
         try:
             out, lse = varlen(q.to(device), k.to(device), v.to(device),
-                               torch.tensor(cu_q, dtype=torch.int32, device=device),
-                               torch.tensor(cu_k, dtype=torch.int32, device=device), 3, 70,
-                               d ** -0.5)
+                              torch.tensor(cu_q, dtype=torch.int32, device=device),
+                              torch.tensor(cu_k, dtype=torch.int32, device=device), 3, 70,
+                              d ** -0.5)
             ok = True
             for (qa, qb), (ka, kb) in (((0, 3), (0, 70)), ((4, 6), (70, 100))):
                 ro, rl = WindowQuery(q[qa:qb], d ** -0.5).attend(k[ka:kb], v[ka:kb])
@@ -214,10 +214,10 @@ def _attend_varlen(reqs: list[_Req], pieces: list[Piece], whole, query: torch.Te
     dev = query.device
     try:
         out, lse = varlen(query[a0:reqs[last].b], k, v,
-                           torch.tensor(cu_q, dtype=torch.int32, device=dev),
-                           torch.tensor(cu_k, dtype=torch.int32, device=dev),
-                           max(b - a for a, b in zip(cu_q, cu_q[1:])),
-                           max(b - a for a, b in zip(cu_k, cu_k[1:])), scale)
+                          torch.tensor(cu_q, dtype=torch.int32, device=dev),
+                          torch.tensor(cu_k, dtype=torch.int32, device=dev),
+                          max(b - a for a, b in zip(cu_q, cu_q[1:])),
+                          max(b - a for a, b in zip(cu_k, cu_k[1:])), scale)
     except (RuntimeError, NotImplementedError, TypeError):
         return False
     for i in by_req:

@@ -268,11 +268,12 @@ class Transfer:
         back; ``runs_of[i][j]``: the pool slot runs of window i's piece j, `slot_runs` of its
         request's pages), one after another: per window its pieces, the K/V of each piece
         ([tokens, H, D] on the device) and the window's staging buffers holding them all at the
-        pieces' offsets ``(k, v, tokens)`` (None where a piece is a view of the pools). Each piece is loaded token-exact, one copy per run of consecutive pool slots, on the
-        copy stream; the next window loads while the caller attends this one, and the caller must
-        be done with a window (on the compute stream) when it asks for the next. ``dtypes``: each
-        window's staging dtype (None: `Medium.staging_dtype`). Where the medium shares the pools'
-        memory and a window's dtype is the pools', a piece of one slot run is a view of the pools."""
+        pieces' offsets ``(k, v, tokens)`` (None where a piece is a view of the pools). Each piece
+        is loaded token-exact, one copy per run of consecutive pool slots, on the copy stream; the
+        next window loads while the caller attends this one, and the caller must be done with a
+        window (on the compute stream) when it asks for the next. ``dtypes``: each window's
+        staging dtype (None: `Medium.staging_dtype`). Where the medium shares the pools' memory
+        and a window's dtype is the pools', a piece of one slot run is a view of the pools."""
         if not windows:
             return
         P = k_pool.shape[1]
