@@ -206,7 +206,8 @@ def test_new_tokens_attend_gqa_without_repeating_kv_on_the_cpu(monkeypatch):
     assumed)."""
     torch.manual_seed(11)
     Hq, Hkv, D, ctx, new = 8, 2, 32, 40, 9
-    q, k, v = torch.randn(new, Hq, D), torch.randn(ctx + new, Hkv, D), torch.randn(ctx + new, Hkv, D)
+    q = torch.randn(new, Hq, D)
+    k, v = torch.randn(ctx + new, Hkv, D), torch.randn(ctx + new, Hkv, D)
     ref = reference(q, k, v, D ** -0.5, ctx)  # repeats K/V itself: before the patch below
 
     def forbidden(*a, **kw):
