@@ -254,6 +254,31 @@ class Probe:
 
         worker_side.windowed_attention = counted
         self.installed = True
+        # a step of several requests goes through the packed path (packed.py): count its layer
+        # calls and, on a GPU, the windows that took the one varlen call for the whole batch
+        self.packed_calls = self.varlen_calls = self.varlen_refused = 0
+        packed_inner = getattr(worker_side, "packed_attention", None)
+        try:
+            from kvstack.streaming import packed
+        except Exception:  # noqa: BLE001
+            packed = None
+        if packed_inner is not None:
+            def counted_packed(*a, **kw):
+                self.packed_calls += 1
+                return packed_inner(*a, **kw)
+
+            worker_side.packed_attention = counted_packed
+        varlen_inner = getattr(packed, "_attend_varlen", None) if packed is not None else None
+        if varlen_inner is not None:
+            def counted_varlen(*a, **kw):
+                ok = varlen_inner(*a, **kw)
+                if ok:
+                    self.varlen_calls += 1
+                else:
+                    self.varlen_refused += 1
+                return ok
+
+            packed._attend_varlen = counted_varlen
 
     def _observe(self, q_last, new_k, history, ctx, scale, window):
         import torch
@@ -386,7 +411,10 @@ def child(plan_file: Path, side: str, out: Path) -> None:
     if probe is not None:
         info["streaming_calls"] = {"installed": probe.installed, "windowed_calls": probe.calls,
                                    "max_windows": probe.max_windows,
-                                   "max_history": probe.max_history}
+                                   "max_history": probe.max_history,
+                                   "packed_calls": getattr(probe, "packed_calls", 0),
+                                   "varlen_calls": getattr(probe, "varlen_calls", 0),
+                                   "varlen_refused": getattr(probe, "varlen_refused", 0)}
     info["connector"] = type(conn).__name__ if conn is not None else None
     out.write_text(json.dumps({"info": info, "results": results, "plan": plan}))
     os._exit(0)  # skip engine teardown: the result is written
@@ -786,6 +814,9 @@ def main(argv=None) -> int:
         print(f"streaming windowed-attention calls {calls['windowed_calls']}, up to "
               f"{calls['max_windows']} windows over {calls['max_history']} history tokens",
               flush=True)
+        print(f"streaming packed calls (steps of several requests) {calls.get('packed_calls', 0)}: "
+              f"windows in one varlen call {calls.get('varlen_calls', 0)}, refused by the kernel "
+              f"{calls.get('varlen_refused', 0)} (varlen on a GPU only)", flush=True)
         if calls["max_windows"] < 2:
             vacuous = "; VACUOUS: no history was attended in more than one window"
     else:

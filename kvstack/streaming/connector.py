@@ -28,7 +28,6 @@ Usage: ``kv_transfer_config={"kv_connector": "StreamingConnector", "kv_role": "k
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -43,13 +42,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from .compat import align_cpu_attention_isa
 from .config import StreamingConfig, selects_layer
 from .layout import ReqStep, StreamingMetadata, _Layout, _layout  # noqa: F401 (re-exported)
+from .log import logger
 from .metrics import StatsReporter, StreamingConnectorStats, StreamingPromMetrics
 from .scheduler_side import _SchedulerSide
 from .scratch import plan_for
 from .validate import check_device_budget, check_engine, check_layers
 from .worker_side import _WorkerSide
 
-logger = logging.getLogger("kvstack.streaming")
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -3,13 +3,13 @@ pages, prefix reuse, freeing) and the per-step metadata for the worker."""
 
 from __future__ import annotations
 
-import logging
 import time
 from typing import TYPE_CHECKING, Any
 
 from .config import StreamingConfig
 from .host_tier import HostTierFull, PagePool, page_hashes
 from .layout import ReqStep, StreamingMetadata, _Layout
+from .log import logger
 from .shared_tier import SharedTier, open_for_engine, predict_store_tag
 
 if TYPE_CHECKING:
@@ -17,7 +17,6 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
-logger = logging.getLogger("kvstack.streaming")
 
 
 def request_key(request: "Request") -> str:

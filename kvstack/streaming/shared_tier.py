@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import struct
 import threading
 import time
@@ -43,7 +42,8 @@ from typing import Any
 
 import torch
 
-logger = logging.getLogger("kvstack.streaming")
+from .log import logger
+
 
 FORMAT_VERSION = 1
 _MAGIC = b"KVSSHP01"

@@ -6,7 +6,6 @@ stream (transfer.py: no host gather, no per-call pinning, no blocking device-to-
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 
@@ -17,12 +16,12 @@ from .config import StreamingConfig
 from .compat import cpu_attn_isa
 from .host_tier import HostStore
 from .layout import PageTables, ReqStep, StreamingMetadata, _Layout
+from .log import logger
 from .packed import StepPlan, packed_attention
 from .shared_tier import SharedTier, open_for_engine, predict_store_tag, store_tag
 from .transfer import PagedHistory, transfers
 from .windowed import Features, windowed_attention
 
-logger = logging.getLogger("kvstack.streaming")
 # set by ci/gpu/check_scratch.py: measure what the windowed path allocates on a GPU, per layer
 # call, beyond what was allocated before it (torch's allocator statistics), against the plan
 SCRATCH_PROBE_ENV = "KVSTACK_STREAMING_SCRATCH_PROBE"

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import threading
 
 import pytest
@@ -196,6 +197,10 @@ def test_reset_prefix_cache_through_the_server(reference):
         assert m["vllm:kvstack_cache_resets_total"] == 1, m
         assert m["vllm:kvstack_cache_reset_dropped_pages_total"] == cached, m
         assert m["vllm:kvstack_prefix_hit_tokens_total"] == hits, m  # nothing from before
+        # the connector's INFO line in the server's log, in vLLM's format (kvstack/streaming/log.py)
+        assert re.search(r"INFO \d\d-\d\d [\d:]+ \[scheduler_side\.py:\d+\] kvstack streaming: "
+                         rf"cache reset: {int(cached)} cached host-tier page\(s\) dropped",
+                         server.log.read_text(errors="replace")), server.tail()
         assert server.complete(AFTER, max_tokens=8, client=client) == expected[2][:8]
         m = server.wait_metrics(lambda m: m["vllm:kvstack_prefix_hit_tokens_total"] > hits)
         assert m["vllm:kvstack_prefix_hit_tokens_total"] > hits, m

@@ -124,6 +124,10 @@ def test_the_other_dtype_path(tmp_path):
     assert f", {other}, " in last and f"tol {logprob_tol(other)}," in last, last
     info = json.loads((tmp_path / "streaming.json").read_text())["info"]
     assert info["streaming_calls"]["max_windows"] >= 8
+    # the mixed batch's steps of two requests took the packed path; the varlen call is CUDA's
+    calls = info["streaming_calls"]
+    assert calls["packed_calls"] > 0 and calls["varlen_calls"] == calls["varlen_refused"] == 0
+    assert f"streaming packed calls (steps of several requests) {calls['packed_calls']}:" in res.stdout
 
 
 @pytest.mark.env
