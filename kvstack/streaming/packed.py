@@ -79,10 +79,9 @@ class StepPlan:
     consecutive pool slots (`slot_runs`). Built once per step and window size (the worker's
     _Batch keeps it), not per layer."""
 
-    __slots__ = ("spans", "windows", "runs", "window", "page_tokens")
+    __slots__ = ("spans", "windows", "runs")
 
     def __init__(self, segments: list, window: int, page_tokens: int):
-        self.window, self.page_tokens = window, page_tokens
         self.spans = [span(b - a, r.start) for a, b, r in segments]
         self.windows = plan(self.spans, window)
         self.runs = [[slot_runs(segments[pc.req][2].pages, page_tokens, pc.start, pc.end - pc.start)
