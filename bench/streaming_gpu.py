@@ -40,11 +40,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-# the connector's copy planning, its window attention, its varlen kernel and its pinned pools
-# (kvstack/streaming/transfer.py, windowed.py, packed.py and pinned.py import only torch, vLLM's
-# merge only when it is there; the working tree a GPU machine gets holds them, so nothing needs
-# carrying)
+# the connector's copy planning, its window attention, its varlen kernel, its pinned pools and its
+# gather of scattered pages (kvstack/streaming/transfer.py, windowed.py, packed.py, pinned.py and
+# gather.py import only torch, triton for the gather kernel, vLLM's merge only when it is there;
+# the working tree a GPU machine gets holds them, so nothing needs carrying)
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from kvstack.streaming import gather  # noqa: E402
 from kvstack.streaming.config import DEFAULT_WINDOW_MIB  # noqa: E402  (the connector's window)
 from kvstack.streaming.packed import varlen, varlen_usable  # noqa: E402
 from kvstack.streaming.pinned import HostArena  # noqa: E402
@@ -341,6 +342,9 @@ class Batch:
             else:
                 rows = [i for r in w.reqs for i in range(self.cu_q[r], self.cu_q[r + 1])]
                 w.meta["rows"] = torch.tensor(rows, dtype=torch.long, device=device)
+            # the rows of its copies for one gather (gather.copy_rows_kv), where there are several
+            w.meta["gather_index"] = (gather.run_rows(w.copies).to(device)
+                                      if len(w.copies) > 1 else None)
 
     @property
     def streamed_bytes(self) -> int:
@@ -380,10 +384,15 @@ class Streamer:
     compute stream after the attention that last read buffer b). The copies of item i+1 are issued
     before the attention of item i; the copy stream waits ``free`` of the buffer it overwrites, the
     compute stream waits ``ready`` of the buffer it reads. On CPU the same loop runs with
-    synchronous copies and no events."""
+    synchronous copies and no events. ``gather``: a window of at least ``min_runs`` copies is
+    loaded by one `gather.copy_rows_kv` with that kernel ("triton": ours, reading the registered
+    tier through UVA; "torch": index_select) instead of one copy per run; None: run by run."""
 
-    def __init__(self, geo: Geometry, device: torch.device, window_tokens: int):
+    def __init__(self, geo: Geometry, device: torch.device, window_tokens: int,
+                 gather_kernel: str | None = None, min_runs: int = gather.MIN_RUNS):
         self.geo, self.device, self.window_tokens = geo, device, window_tokens
+        self.gather, self.min_runs = gather_kernel, min_runs
+        self.gathers_issued = 0
         self.cuda = device.type == "cuda"
         shape = (window_tokens, geo.hkv, geo.d)
         self.sk = [torch.empty(shape, dtype=geo.dtype, device=device) for _ in range(2)]
@@ -404,10 +413,15 @@ class Streamer:
             if do_copy:
                 kf, vf = tier.flat(layer)
                 sk, sv = self.sk[b], self.sv[b]
-                for src, dst, n in w.copies:
-                    sk[dst:dst + n].copy_(kf[src:src + n], non_blocking=True)
-                    sv[dst:dst + n].copy_(vf[src:src + n], non_blocking=True)
-                self.copies_issued += 2 * len(w.copies)
+                index = w.meta.get("gather_index")
+                if self.gather is not None and index is not None and len(w.copies) >= self.min_runs:
+                    gather.copy_rows_kv(sk, sv, kf, vf, index, self.gather)
+                    self.gathers_issued += 1
+                else:
+                    for src, dst, n in w.copies:
+                        sk[dst:dst + n].copy_(kf[src:src + n], non_blocking=True)
+                        sv[dst:dst + n].copy_(vf[src:src + n], non_blocking=True)
+                    self.copies_issued += 2 * len(w.copies)
             if self.cuda:
                 self.ready[b].record(self.copy_stream)
 
@@ -582,12 +596,14 @@ def reference(batch: Batch) -> torch.Tensor:
     return res
 
 
-def exactness(geo: Geometry, device, attn: Attention, tol: float, seed: int) -> dict:
+def exactness(geo: Geometry, device, attn: Attention, tol: float, seed: int,
+              gather_kernel: str | None = None) -> dict:
     """2 requests x a few thousand tokens (not page multiples), 2 layers, shuffled pages, windows
     of 5 pages (windows straddle requests): prefill (stream), decode (stream, recent tokens on the
     device) and decode (host) against the direct reference; then the negative control: request
     0's query made to attend one history key sharply (layer 0), that key flipped: the windowed
-    output must follow (and still match the reference)."""
+    output must follow (and still match the reference). With ``gather_kernel``, every window of
+    more than one copy is loaded by one gather of that kernel (the shuffled pages make them so)."""
     g = Geometry(2, geo.hq, geo.hkv, geo.d, geo.page, geo.dtype)
     ctx = [2500, 3100]
     n_pages = [math.ceil(c / g.page) for c in ctx]
@@ -596,7 +612,7 @@ def exactness(geo: Geometry, device, attn: Attention, tol: float, seed: int) -> 
     perm = page_table(pool_pages, pool_pages, "shuffled", seed)
     pages = [perm[:n_pages[0]], perm[n_pages[0]:n_pages[0] + n_pages[1]]]
     window = 5 * g.page
-    streamer = Streamer(g, device, window)
+    streamer = Streamer(g, device, window, gather_kernel, min_runs=2)
     j = 1000  # the sharp key: request 0, streamed (not recent), in a middle window
     gen = torch.Generator().manual_seed(seed + 1)
     u = torch.randn(g.d, generator=gen)
@@ -798,6 +814,10 @@ def parse_args(argv=None):
                     help="host decode: split-K chunk (tokens per partial)")
     ap.add_argument("--host-gather-mib", type=float, default=64.0,
                     help="host decode, scattered pages: gather buffer size (K and V each)")
+    ap.add_argument("--gather", choices=["auto", "off"], default="auto",
+                    help="a window of many page runs (scattered pages) loaded by one gather: "
+                         "auto = our Triton kernel on a GPU where it checks out (index_select on "
+                         "the CPU); off = one copy per run")
     ap.add_argument("--reps", type=int, default=2, help="timed repetitions (median)")
     ap.add_argument("--breakdown", action="store_true",
                     help="also time copy-only and attention-only passes at the first context")
@@ -868,7 +888,17 @@ def main(argv=None) -> int:
         f"copy {gbps(host_copy)} GB/s ({args.bw_mib:g} MiB, median of 5)")
 
     # exactness + negative control
-    ex = exactness(geo, device, attn, args.tolerance, args.seed)
+    # scattered pages (a window of many runs): one gather per window where a kernel applies
+    if args.gather == "off":
+        gather_kernel, gather_note = None, "off (one copy per run)"
+    elif device.type == "cpu":
+        gather_kernel, gather_note = "torch", "index_select (cpu)"
+    elif gather.triton_usable(device, geo.dtype, (geo.hkv, geo.d)):
+        gather_kernel, gather_note = "triton", "ours (Triton), from the registered tier by UVA"
+    else:
+        gather_kernel, gather_note = None, "Triton kernel unusable here: one copy per run"
+    log(f"gather: windows of >= {gather.MIN_RUNS} runs: {gather_note}")
+    ex = exactness(geo, device, attn, args.tolerance, args.seed, gather_kernel)
     verdict = "identical within tolerance" if ex["ok"] else "MISMATCH"
     log(f"exactness: {verdict} (max diff {ex['max_diff']:.2e} <= {args.tolerance:g}); "
         f"negative control: {'changed' if ex['control_changed'] else 'NOT changed'} "
@@ -895,6 +925,7 @@ def main(argv=None) -> int:
         "exact_ok": str(int(ex["ok"])), "control_changed": str(int(ex["control_changed"])),
         "window_tokens": str(window_tokens), "date": time.strftime("%Y-%m-%d"),
         "attn_tflops": f"{flops / 1e12:.3g}", "decode_window_ms": f"{dec_win * 1e3:.3g}",
+        "gather": gather_kernel or ("off" if args.gather == "off" else "unusable"),
     }
     for lab, m in model.items():
         result[f"model_prefill_s_{lab}"] = f"{m['prefill_s']:.4f}"
@@ -920,7 +951,7 @@ def main(argv=None) -> int:
             f"{args.host_mem_fraction:g} x MemAvailable {avail / GIB:.1f} GiB)")
     if not sizes:
         log("no context size fits")
-    streamer = Streamer(geo, device, window_tokens)
+    streamer = Streamer(geo, device, window_tokens, gather_kernel)
     gather_pages = max(1, int(args.host_gather_mib * MIB) // (geo.page * geo.layer_token_bytes // 2))
     gather_buf = _gather_buf(geo, gather_pages)
     pool_tokens = max((n for _, n in sizes), default=0)

@@ -27,6 +27,8 @@ from collections.abc import Iterator
 
 import torch
 
+from . import gather
+
 
 def page_runs(pages: list[int]) -> list[tuple[int, int, int]]:
     """(index in `pages`, first page id, count) of each run of consecutive page ids."""
@@ -85,6 +87,7 @@ class Medium:
 
     def __init__(self, device: torch.device):
         self.device = device
+        self.gather: str | None = None  # gather_kernel's answer where set (tests: "triton")
 
     @staticmethod
     def for_device(device: torch.device) -> "Medium":
@@ -124,6 +127,17 @@ class Medium:
         return (not self.is_async and pool.device == self.device
                 and (dtype or self.staging_dtype(pool.dtype)) == pool.dtype)
 
+    def gather_kernel(self, pool: torch.Tensor, dtype: torch.dtype) -> str | None:
+        """How a window of many runs (`gather.MIN_RUNS` or more) of `pool` is loaded into a
+        staging buffer of `dtype` in one go (`gather.copy_rows_kv`'s kernel), or None: one copy
+        per run. The CPU: "torch" (``index_select``, converting), or `gather` where a test set it;
+        an asynchronous medium without a kernel of its own: None."""
+        return self.gather or (None if self.is_async else "torch")
+
+    def index_to_device(self, index: torch.Tensor) -> torch.Tensor:
+        """A gather's row index where its kernel reads it."""
+        return index
+
     def keep_alive(self, t: torch.Tensor) -> None:
         """`t`, made on the compute stream, is read by the copy stream: keep its memory until then."""
 
@@ -149,6 +163,7 @@ class CudaMedium(Medium):
         super().__init__(device)
         self.stream = torch.cuda.Stream(device=device)
         self._written = None
+        self._pinned: dict[tuple, bool] = {}  # (pool storage, dtype): the gather kernel applies
 
     def on_copy_stream(self):
         return torch.cuda.stream(self.stream)
@@ -170,6 +185,22 @@ class CudaMedium(Medium):
     def copy_waits(self, event) -> None:
         if event is not None:
             self.stream.wait_event(event)
+
+    def gather_kernel(self, pool: torch.Tensor, dtype: torch.dtype) -> str | None:
+        """Our Triton kernel reading the registered host pool through UVA, where it is pinned,
+        the staging buffer is in its dtype and the kernel checked out on this device
+        (`gather.triton_usable`); else one copy per run."""
+        if pool.device.type != "cpu" or dtype != pool.dtype:
+            return None
+        key = (pool.untyped_storage().data_ptr(), dtype)
+        pinned = self._pinned.get(key)
+        if pinned is None:
+            pinned = self._pinned[key] = bool(pool.is_pinned()) and gather.triton_usable(
+                self.device, dtype, tuple(pool.shape[2:]))
+        return "triton" if pinned else None
+
+    def index_to_device(self, index: torch.Tensor) -> torch.Tensor:
+        return index.to(self.device, non_blocking=True)
 
     def keep_alive(self, t: torch.Tensor) -> None:
         t.record_stream(self.stream)
@@ -198,6 +229,7 @@ class Transfer:
         self._consumed: dict[tuple, list] = {}  # per buffer: the compute stream's event after its use
         self.windows_loaded = 0
         self.copies = 0
+        self.gathers = 0  # windows loaded by one gather (gather.copy_rows_kv) instead of `copies`
 
     @property
     def device(self) -> torch.device:
@@ -296,22 +328,37 @@ class Transfer:
             bk, bv = bufs[i % 2]
             with m.on_copy_stream():
                 m.copy_waits(self._consumed[key][i % 2])
+                rows = []
                 for j, (pc, rr) in enumerate(zip(pieces, runs)):
                     if kvs[j] is not None:
                         continue
-                    for slot, off, length in rr:
-                        a = pc.at + off
-                        m.copy(bk[a:a + length], pools[0][slot:slot + length])
-                        m.copy(bv[a:a + length], pools[1][slot:slot + length])
-                        self.copies += 2
+                    rows += [(slot, pc.at + off, length) for slot, off, length in rr]
                     n = pc.end - pc.start
                     kvs[j] = (bk[pc.at:pc.at + n], bv[pc.at:pc.at + n])
+                self._copy_runs(bk, bv, pools[0], pools[1], rows)
                 ready = m.copy_event()
             fill = max(pc.at + pc.end - pc.start for pc in pieces)
             whole = (bk[:fill], bv[:fill], fill) if not m.zero_copy(k_pool, dtype) else None
             return (pieces, kvs, whole), ready, key
 
         yield from self._double_buffered(len(windows), window_at)
+
+    def _copy_runs(self, bk, bv, kf, vf, runs: list[tuple[int, int, int]]) -> None:
+        """Rows runs (source row, destination row, rows) of the pools `kf`/`vf` into the staging
+        buffers `bk`/`bv`, on the copy stream: one gather where there are many runs and the
+        medium has a kernel for them, else one copy per run."""
+        m = self.medium
+        if len(runs) >= gather.MIN_RUNS:
+            kernel = m.gather_kernel(kf, bk.dtype)
+            if kernel is not None:
+                index = m.index_to_device(gather.run_rows(runs))
+                gather.copy_rows_kv(bk, bv, kf, vf, index, kernel)
+                self.gathers += 1
+                return
+        for src, dst, rows in runs:
+            m.copy(bk[dst:dst + rows], kf[src:src + rows])
+            m.copy(bv[dst:dst + rows], vf[src:src + rows])
+        self.copies += 2 * len(runs)
 
     def _double_buffered(self, count: int, window_at) -> Iterator:
         """Windows 0..count-1, each loaded (``window_at(i)``: (what to yield, its copy event,
@@ -340,11 +387,8 @@ class Transfer:
         m = self.medium
         with m.on_copy_stream():
             m.copy_waits(self._consumed[key][which])
-            for idx, page, n in clip_runs(runs[0], first, last, runs[1]):
-                a, s, rows = idx * P, page * P, n * P
-                m.copy(bk[a:a + rows], kf[s:s + rows])
-                m.copy(bv[a:a + rows], vf[s:s + rows])
-                self.copies += 2
+            self._copy_runs(bk, bv, kf, vf, [(page * P, idx * P, n * P) for idx, page, n
+                                             in clip_runs(runs[0], first, last, runs[1])])
             ready = m.copy_event()
         self.windows_loaded += 1
         off = start - first * P

@@ -63,6 +63,7 @@ def test_result_line_has_every_figure(tiny_run):
     assert float(kv["copies_per_window_8K_contiguous"]) == 1.0
     assert float(kv["copies_per_window_8K_shuffled"]) > 1.0
     assert "prefill_copy_only_s_2K_contiguous" in kv and "prefill_attn_only_s_2K_contiguous" in kv
+    assert kv["gather"] == "torch"  # scattered pages gathered (on a GPU: "triton", ours)
 
 
 def test_the_cost_model_is_printed_and_compared(tiny_run):
@@ -222,6 +223,48 @@ def test_the_benchs_pools_are_the_connectors_arenas(monkeypatch):
     assert tier.pin_error.startswith("cudaHostRegister")  # no CUDA runtime here: said why
     for a, b in zip(tier.k + tier.v, plain.k + plain.v):
         assert torch.equal(a, b)  # the same random fill
+
+
+def test_the_bench_gathers_scattered_windows_with_the_connectors_gather(monkeypatch):
+    """A window of many runs (shuffled pages) is loaded by one `gather.copy_rows_kv` (the
+    connector's, which the connector's Transfer uses too) into the same staging rows as one copy
+    per run; windows of fewer runs than `min_runs` are copied run by run. Control: a gather that
+    drops its last run leaves other rows in the buffer."""
+    import torch
+
+    from kvstack.streaming import gather
+
+    mod = _bench_module()
+    assert mod.gather is gather
+    geo = mod.Geometry(layers=1, hq=4, hkv=2, d=16, page=4, dtype=torch.bfloat16)
+    tier = mod.HostTier(geo, 64, pin=False, fill_seed=3)
+    dev = torch.device("cpu")
+    pages = [mod.page_table(40, 64, "shuffled", 5), mod.page_table(10, 64, "contiguous", 0)]
+    batch = mod.Batch(geo, tier, dev, pages, [160, 40], [1, 1], 0, 64, 0)
+    assert any(len(w.copies) >= 8 for w in batch.windows)
+
+    def staged(streamer):
+        out = []
+        for w in batch.windows:
+            streamer.issue(0, tier, 0, w)
+            out.append((streamer.sk[0][:w.total].clone(), streamer.sv[0][:w.total].clone()))
+        return out
+
+    by_run = mod.Streamer(geo, dev, 64)
+    want = staged(by_run)
+    gathered = mod.Streamer(geo, dev, 64, "torch")
+    got = staged(gathered)
+    many = sum(len(w.copies) >= gather.MIN_RUNS for w in batch.windows)
+    assert gathered.gathers_issued == many > 0 and by_run.gathers_issued == 0
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(got, want))
+    real = gather.copy_rows_kv
+    monkeypatch.setattr(gather, "copy_rows_kv",
+                        lambda kd, vd, ks, vs, index, kernel="torch": real(
+                            kd, vd, ks, vs, index[:, :-1].contiguous(), kernel))
+    for w in batch.windows:
+        w.meta["gather_index"] = gather.run_rows(w.copies) if len(w.copies) > 1 else None
+    kd = staged(mod.Streamer(geo, dev, 64, "torch"))
+    assert not all(torch.equal(a[0], b[0]) for a, b in zip(kd, want))
 
 
 def test_window_plan_covers_each_history_once():
