@@ -38,6 +38,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from types import SimpleNamespace
+
 import torch
 
 # the connector's copy planning, its window attention, its varlen kernel, its pinned pools and its
@@ -47,10 +49,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from kvstack.streaming import gather  # noqa: E402
 from kvstack.streaming.config import DEFAULT_WINDOW_MIB  # noqa: E402  (the connector's window)
-from kvstack.streaming.packed import varlen, varlen_usable  # noqa: E402
+from kvstack.streaming.packed import StepPlan, packed_attention, varlen, varlen_usable  # noqa: E402
 from kvstack.streaming.pinned import HostArena  # noqa: E402
-from kvstack.streaming.transfer import slot_runs  # noqa: E402
-from kvstack.streaming.windowed import WindowQuery  # noqa: E402
+from kvstack.streaming.transfer import Medium, PagedHistory, Transfer, slot_runs  # noqa: E402
+from kvstack.streaming.windowed import WindowQuery, windowed_attention  # noqa: E402
 
 NEG_INF = float("-inf")
 GIB = 1 << 30
@@ -544,6 +546,34 @@ def host_attend(tier: HostTier, layer: int, q_host: torch.Tensor, pages: list[in
     return out.reshape(g.hq, g.d), (m + torch.log(s)).reshape(g.hq)
 
 
+def step_connector(batch: Batch, transfer: Transfer, window: int, out: torch.Tensor,
+                   plan: StepPlan | None = None) -> None:
+    """One step of every layer through the StreamingConnector's own windowed path, as its worker
+    runs a streaming layer on a GPU: a lone request by `windowed.windowed_attention` over a
+    `PagedHistory`, several by `packed.packed_attention` (packed windows, one varlen call per
+    window where it checks out) with one `StepPlan` for all layers, the copies by `Transfer` (page
+    runs, or one gather for scattered pages, into two staging buffers on a copy stream), the new
+    tokens' K/V written back to the tier. The connector keeps no recent tokens on the device: the
+    whole history streams (`batch` built with recent 0, its page tables covering the new tokens).
+    Layer after layer, each layer's windows pipelined on their own (the first window of a layer
+    overlaps nothing), as in the engine."""
+    g = batch.geo
+    assert not any(batch.recent), "the connector streams the whole history"
+    segments = [(batch.cu_q[r], batch.cu_q[r + 1], SimpleNamespace(start=c, pages=batch.pages[r]))
+                for r, c in enumerate(batch.ctx)]
+    if len(segments) > 1 and plan is None:
+        plan = StepPlan(segments, window, g.page)
+    for layer in range(g.layers):
+        kp, vp = batch.tier.k[layer], batch.tier.v[layer]
+        q, k, v = batch.q[layer], batch.new_k[layer], batch.new_v[layer]
+        if len(segments) > 1:
+            packed_attention(q, k, v, segments, kp, vp, transfer, window, g.scale, out[layer],
+                             step=plan)
+        else:
+            windowed_attention(q, k, v, PagedHistory(transfer, kp, vp, batch.pages[0]),
+                               batch.ctx[0], window, g.scale, out=out[layer])
+
+
 def step_host_decode(batch: Batch, attn: Attention, out: torch.Tensor, chunk_tokens: int,
                      gather_buf) -> None:
     """Decode step with host-side attention of the history: per layer, the device part is
@@ -623,10 +653,20 @@ def exactness(geo: Geometry, device, attn: Attention, tol: float, seed: int,
     results = {"max_diff": 0.0, "control_diff": float("inf")}
     cases = [("prefill stream", [7, 4], 0, "stream"),
              ("decode stream", [1, 1], 256, "stream"),
-             ("decode host", [1, 1], 256, "host")]
+             ("decode host", [1, 1], 256, "host"),
+             ("prefill connector", [7, 4], 0, "connector"),
+             ("decode connector", [1, 1], 0, "connector")]
+    # the connector's path writes the new tokens' K/V after each history: its page tables cover
+    # them (request 0 keeps its pages, so the sharp key stays where it is)
+    need = [math.ceil((c + 7) / g.page) for c in ctx]
+    conn_pages = [perm[:need[0]], perm[need[0]:need[0] + need[1]]]
+    transfer = Transfer(Medium.for_device(device))
+    if gather_kernel is not None and device.type == "cpu":
+        transfer.medium.gather = gather_kernel
     for name, new, recent, mode in cases:
         diffs = []
         outs = []
+        loaded = transfer.windows_loaded
         for flip in (False, True):
             if flip:
                 tier.k[0][pages[0][p], off] = (-alpha * u).to(g.dtype)
@@ -638,11 +678,13 @@ def exactness(geo: Geometry, device, attn: Attention, tol: float, seed: int,
                 if layer == 0:
                     q[:new[0]] = u  # every head of request 0 looks for the sharp key
                 qs.append(q.to(g.dtype).to(device))
-            batch = Batch(g, tier, device, pages, ctx, new, recent, window, seed + 2,
-                          q_override=qs)
+            batch = Batch(g, tier, device, conn_pages if mode == "connector" else pages, ctx, new,
+                          recent, window, seed + 2, q_override=qs)
             out = torch.empty((g.layers, sum(new), g.hq, g.d), dtype=g.dtype, device=device)
             if mode == "stream":
                 step_stream(batch, streamer, attn, out)
+            elif mode == "connector":
+                step_connector(batch, transfer, window, out)
             else:
                 step_host_decode(batch, attn, out, chunk_tokens=4 * g.page,
                                  gather_buf=_gather_buf(g, 64))
@@ -650,7 +692,9 @@ def exactness(geo: Geometry, device, attn: Attention, tol: float, seed: int,
             diffs.append(float((got - reference(batch)).abs().max()))
             outs.append(got[0, :new[0]])
         ctrl = float((outs[0] - outs[1]).abs().max())
-        log(f"exactness {name}: {len(batch.windows)} windows/layer, max |windowed - reference| = "
+        per_layer = ((transfer.windows_loaded - loaded) // (2 * g.layers) if mode == "connector"
+                     else len(batch.windows))
+        log(f"exactness {name}: {per_layer} windows/layer, max |windowed - reference| = "
             f"{max(diffs):.2e} (tolerance {tol:g}); control (sharp key flipped): output changed "
             f"by {ctrl:.3f}")
         results["max_diff"] = max(results["max_diff"], *diffs)
@@ -809,7 +853,9 @@ def parse_args(argv=None):
     ap.add_argument("--recent-tokens", type=int, default=4096,
                     help="last tokens of each request kept on the device (decode streams the rest)")
     ap.add_argument("--decode", default="stream,host",
-                    help="decode variants: stream (history over PCIe), host (attention on the host)")
+                    help="decode variants: stream (history over PCIe), host (attention on the "
+                         "host), connector (the StreamingConnector's own windowed path, for the "
+                         "prefill too: its Transfer, windowed/packed attention and write-back)")
     ap.add_argument("--host-chunk-tokens", type=int, default=2048,
                     help="host decode: split-K chunk (tokens per partial)")
     ap.add_argument("--host-gather-mib", type=float, default=64.0,
@@ -898,6 +944,8 @@ def main(argv=None) -> int:
     else:
         gather_kernel, gather_note = None, "Triton kernel unusable here: one copy per run"
     log(f"gather: windows of >= {gather.MIN_RUNS} runs: {gather_note}")
+    if args.gather == "off":  # the connector's Transfer (--decode connector) copies run by run too
+        gather.MIN_RUNS = sys.maxsize
     ex = exactness(geo, device, attn, args.tolerance, args.seed, gather_kernel)
     verdict = "identical within tolerance" if ex["ok"] else "MISMATCH"
     log(f"exactness: {verdict} (max diff {ex['max_diff']:.2e} <= {args.tolerance:g}); "
@@ -956,6 +1004,10 @@ def main(argv=None) -> int:
     gather_buf = _gather_buf(geo, gather_pages)
     pool_tokens = max((n for _, n in sizes), default=0)
     pool_pages = math.ceil(pool_tokens / geo.page)
+    # the connector's path writes the new tokens after each history: room for them
+    conn_extra = math.ceil(args.prefill_tokens / geo.page) + 1 if "connector" in variants else 0
+    pool_pages += conn_extra
+    transfer = Transfer(Medium.for_device(device))
     tier = None
     if sizes:
         log(f"host tier: {pool_pages} pages x {geo.layers} layers = "
@@ -994,6 +1046,18 @@ def main(argv=None) -> int:
                 f"{pred:.4f} s)")
             result[f"prefill_vs_model_{key}"] = f"{t / pred:.2f}"
             result[f"copies_per_window_{key}"] = f"{batch.copies_per_window():.1f}"
+            if "connector" in variants:
+                cb = Batch(geo, tier, device, [page_table(n_pages + conn_extra, pool_pages, order,
+                                                          args.seed)],
+                           [n], [args.prefill_tokens], 0, window_tokens, args.seed)
+                tc = timed(lambda: step_connector(cb, transfer, window_tokens, out), device,
+                           args.reps, 1)
+                log(f"[{lab} {order}] prefill connector: {tc:.4f} s; ratio {tc / floor:.2f} "
+                    f"(the StreamingConnector's own path: windowed_attention over Transfer; "
+                    f"stream above {t / floor:.2f})")
+                result[f"prefill_connector_s_{key}"] = f"{tc:.4f}"
+                result[f"prefill_connector_ratio_{key}"] = f"{tc / floor:.2f}"
+                del cb
             if first and args.breakdown:
                 tc = timed(lambda: step_stream(batch, streamer, attn, out, do_attn=False), device,
                            args.reps, 1)
@@ -1044,8 +1108,23 @@ def main(argv=None) -> int:
                         f"{t / fl:.2f}")
                     result[f"decode_host_s_{kb}"] = f"{t:.4f}"
                     result[f"decode_host_ratio_{kb}"] = f"{t / fl:.2f}"
-                if len(times) == 2:
-                    win = min(times, key=times.get)
+                if "connector" in variants:
+                    cpts = [page_table(n_pages + 1, pool_pages, order, args.seed,
+                                       rotate=r * pool_pages // B) for r in range(B)]
+                    cb = Batch(geo, tier, device, cpts, [n] * B, [1] * B, 0, window_tokens,
+                               args.seed)
+                    # the step's plan made in the step, as the connector's worker does
+                    t = timed(lambda: step_connector(cb, transfer, window_tokens, out), device,
+                              args.reps, 1)
+                    fl = cb.streamed_bytes / h2d
+                    log(f"[{lab} {order}] decode b{B} connector: {t:.4f} s; floor {fl:.4f} s "
+                        f"({cb.streamed_bytes / GIB:.2f} GiB streamed, no recent tokens on the "
+                        f"device); ratio {t / fl:.2f} (the StreamingConnector's own path)")
+                    result[f"decode_connector_s_{kb}"] = f"{t:.4f}"
+                    result[f"decode_connector_ratio_{kb}"] = f"{t / fl:.2f}"
+                    del cb
+                if "stream" in times and "host" in times:
+                    win = min(("stream", "host"), key=times.get)
                     log(f"[{lab} {order}] decode b{B}: {win} wins "
                         f"({max(times.values()) / min(times.values()):.2f}x)")
                     result[f"decode_winner_{kb}"] = win

@@ -745,16 +745,17 @@ def cmd_pack(args) -> int:
 # Device seconds of each part of a session, from the H200 run of 2026-11-27 (ci/gpu/README.md): a
 # fresh machine's start with the first unpack call (30 s held), one more unpack call (~6 s each,
 # 62 MiB carried), then the last call's steps as first_run.sh timed them (443 s in all).
-PLAN_SECONDS = {"start": 30, "unpack": 6, "floor bench": 33, "install": 70, "check_layout": 141,
-                "check_streaming": 201, "check_scratch": 130, "shuffled bench": 40}
+PLAN_SECONDS = {"start": 30, "unpack": 6, "floor bench": 45, "install": 70, "check_layout": 141,
+                "check_streaming": 201, "check_scratch": 130, "shuffled bench": 60}
 # call 8, on the same warm machine, outside the 10-minute first job: the device scratch check
 # (issue 28; its import check and three engines took 129 s on 2026-11-27, 116 s on 2026-11-30),
 # then the floor bench over scattered pages, where a window is ~2,048 runs: gathered by our
 # kernel (kvstack/streaming/gather.py) against 8.98x / 8.37x of the floor copied run by run
 # (one H200, 2026-11-30)
-SHUFFLED_BENCH_ARGS = "--contexts 128K --page-order shuffled --decode-batch 1,4 --decode stream --reps 2"
+SHUFFLED_BENCH_ARGS = ("--contexts 128K --page-order shuffled --decode-batch 1,4 "
+                       "--decode stream,connector --reps 2")
 SCRATCH_CALL = ("bash ci/gpu/run_checks.sh --no-install --skip-layout --skip-streaming "
-                "--scratch-s 150; timeout 60 python3 bench/streaming_gpu.py "
+                "--scratch-s 150; timeout 90 python3 bench/streaming_gpu.py "
                 f"{SHUFFLED_BENCH_ARGS} > $OUT/floor-bench-shuffled.log 2>&1; "
                 "grep -E '^(gather|RESULT)' $OUT/floor-bench-shuffled.log")
 SESSION_BUDGET_S = 900
@@ -811,7 +812,7 @@ def cmd_plan(args) -> int:
         print(f"error: the last call's limits add up to {limits} s, over one call's {PLAN_TARGET_S} s")
     scratch = PLAN_SECONDS["check_scratch"] + PLAN_SECONDS["shuffled bench"]
     print(f"  call {len(folders) + 2} (right after, same machine; not in the first job): "
-          f"{SCRATCH_CALL}   (timeout_s 240)   ~{scratch} s")
+          f"{SCRATCH_CALL}   (timeout_s 270)   ~{scratch} s")
     print(f"  then: copy $OUT's summary.log, floor-bench.log and check logs into ci/gpu/results/ and "
           "the figures into docs/streaming-gpu.md and the README; give_back")
     print(f"DEVICE TIME expected {total} s ({total / 60:.1f} min) of the {PLAN_TARGET_S // 60}-minute "
@@ -957,8 +958,8 @@ def main(argv=None) -> int:
     pl = sub.add_parser("plan", help="(here) the session's run calls and their device time "
                         "(ci/gpu/first_run.sh --dry-run)")
     pl.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"the packed carry (default {DEFAULT_OUT})")
-    pl.add_argument("--bench-s", type=int, default=60)  # first_run.sh's limits
-    pl.add_argument("--layout-s", type=int, default=180)
+    pl.add_argument("--bench-s", type=int, default=75)  # first_run.sh's limits
+    pl.add_argument("--layout-s", type=int, default=165)
     pl.add_argument("--streaming-s", type=int, default=270)
     pl.add_argument("--bench-args", default="")
     u = sub.add_parser("unpack", help="(there) take one carried folder into --dest")

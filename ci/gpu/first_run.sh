@@ -28,17 +28,20 @@ set -u
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 root=$(cd "$here/../.." && pwd)
 out=${OUT:-$root/build/gpu-first-run}
-# limits from the H200 run of 2026-11-27 (bench 33 s, install 68 s, check_layout 141 s,
-# check_streaming 201 s), with room: 60 + ~70 + 180 + 270 s fit one 600 s call
-bench_s=60
-layout_s=180
+# limits from the H200 runs of 2026-11-27 (bench 33 s, install 68 s, check_layout 141 s,
+# check_streaming 201 s) and 2026-11-30 (bench 50 s with a 26 s tier allocation since cut to 7 s,
+# install 64 s, check_layout 122 s, check_streaming 164 s), with room for the bench's connector
+# variant (~10 s more): 75 + ~70 + 165 + 270 s fit one 600 s call
+bench_s=75
+layout_s=165
 streaming_s=270
 run_bench=1
 run_checks=1
 dry_run=0
 cpu=0
-# 128K and 1M tokens, pages in order, one decode batch: the figures docs/streaming-gpu.md asks for
-bench_args="--contexts 128K,1M --page-order contiguous --decode-batch 1 --decode stream --reps 2"
+# 128K and 1M tokens, pages in order, one decode batch: the figures docs/streaming-gpu.md asks for;
+# "connector": the StreamingConnector's own windowed path timed beside the bench's pipeline
+bench_args="--contexts 128K,1M --page-order contiguous --decode-batch 1 --decode stream,connector --reps 2"
 while [ $# -gt 0 ]; do
   case "$1" in
     --out) out=$2; shift 2 ;;

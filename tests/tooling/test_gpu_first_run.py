@@ -51,8 +51,9 @@ def test_dry_run_states_the_device_time_it_needs(tmp_path):
         spec.loader.exec_module(mod)
         parsed = mod.parse_args(args)
         assert parsed.contexts == "128K,1M" and parsed.decode_batch == "1"
+        assert "connector" in parsed.decode.split(",")  # the connector's own path on the GPU
         # call 8's bench over scattered pages, where windows are gathered (gather.py)
-        call8 = re.search(r"^  call \d+ \(right after.*timeout 60 python3 bench/streaming_gpu\.py "
+        call8 = re.search(r"^  call \d+ \(right after.*timeout 90 python3 bench/streaming_gpu\.py "
                           r"(.*?) > \$OUT/floor-bench-shuffled\.log", out, re.M).group(1).split()
         parsed = mod.parse_args(call8)
         assert parsed.page_order == "shuffled" and parsed.gather == "auto"

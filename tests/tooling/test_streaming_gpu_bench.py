@@ -20,7 +20,8 @@ pytest.importorskip("torch")
 
 @pytest.fixture(scope="module")
 def tiny_run():
-    return subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--tiny"],
+    return subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--tiny", "--decode",
+                           "stream,host,connector"],
                           capture_output=True, text=True, timeout=300, cwd=REPO)
 
 
@@ -30,7 +31,8 @@ def test_tiny_cpu_mode_exits_zero(tiny_run):
 
 def test_exactness_and_negative_control(tiny_run):
     out = tiny_run.stdout
-    for path in ("prefill stream", "decode stream", "decode host"):
+    for path in ("prefill stream", "decode stream", "decode host", "prefill connector",
+                 "decode connector"):
         line = next(ln for ln in out.splitlines() if ln.startswith(f"exactness {path}:"))
         diff, tol = map(float, re.search(r"= ([0-9.e+-]+) \(tolerance ([0-9.e+-]+)\)",
                                          line).groups())
@@ -64,6 +66,12 @@ def test_result_line_has_every_figure(tiny_run):
     assert float(kv["copies_per_window_8K_shuffled"]) > 1.0
     assert "prefill_copy_only_s_2K_contiguous" in kv and "prefill_attn_only_s_2K_contiguous" in kv
     assert kv["gather"] == "torch"  # scattered pages gathered (on a GPU: "triton", ours)
+    # the StreamingConnector's own path (windowed/packed attention over Transfer), timed beside
+    for ctx in ("2K", "8K"):
+        for order in ("contiguous", "shuffled"):
+            assert float(kv[f"prefill_connector_ratio_{ctx}_{order}"]) > 0
+            for b in (1, 4):
+                assert float(kv[f"decode_connector_ratio_{ctx}_{order}_b{b}"]) > 0
 
 
 def test_the_cost_model_is_printed_and_compared(tiny_run):
@@ -265,6 +273,19 @@ def test_the_bench_gathers_scattered_windows_with_the_connectors_gather(monkeypa
         w.meta["gather_index"] = gather.run_rows(w.copies) if len(w.copies) > 1 else None
     kd = staged(mod.Streamer(geo, dev, 64, "torch"))
     assert not all(torch.equal(a[0], b[0]) for a, b in zip(kd, want))
+
+
+def test_the_benchs_connector_variant_runs_the_connectors_functions():
+    """`--decode connector` times the StreamingConnector's own windowed path: the bench's
+    step_connector calls the connector's functions themselves (their exactness against the
+    bench's reference, with the sharp-key control, is in the tiny run's "exactness ... connector"
+    lines, test_exactness_and_negative_control)."""
+    from kvstack.streaming import packed, transfer, windowed
+
+    mod = _bench_module()
+    assert mod.windowed_attention is windowed.windowed_attention
+    assert mod.packed_attention is packed.packed_attention and mod.StepPlan is packed.StepPlan
+    assert mod.Transfer is transfer.Transfer and mod.PagedHistory is transfer.PagedHistory
 
 
 def test_window_plan_covers_each_history_once():
