@@ -139,4 +139,3 @@ def triton_usable(device: torch.device, dtype: torch.dtype, row_shape: tuple) ->
             ok = False
         _USABLE[key] = ok
     return ok
-

@@ -18,7 +18,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 
-
 def request_key(request: "Request") -> str:
     """What besides the token ids decides a page's K/V, as in vLLM's own block hashes: the
     LoRA adapter, the cache salt and the multimodal inputs (identifier and placeholder range).

@@ -344,7 +344,7 @@ class Transfer:
         yield from self._double_buffered(len(windows), window_at)
 
     def _copy_runs(self, bk, bv, kf, vf, runs: list[tuple[int, int, int]]) -> None:
-        """Rows runs (source row, destination row, rows) of the pools `kf`/`vf` into the staging
+        """Row runs (source row, destination row, rows) of the pools `kf`/`vf` into the staging
         buffers `bk`/`bv`, on the copy stream: one gather where there are many runs and the
         medium has a kernel for them, else one copy per run."""
         m = self.medium
