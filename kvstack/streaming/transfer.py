@@ -127,10 +127,10 @@ class Medium:
         return (not self.is_async and pool.device == self.device
                 and (dtype or self.staging_dtype(pool.dtype)) == pool.dtype)
 
-    def gather_kernel(self, pool: torch.Tensor, dtype: torch.dtype) -> str | None:
-        """How a window of many runs (`gather.MIN_RUNS` or more) of `pool` is loaded into a
-        staging buffer of `dtype` in one go (`gather.copy_rows_kv`'s kernel), or None: one copy
-        per run. The CPU: "torch" (``index_select``, converting), or `gather` where a test set it;
+    def gather_kernel(self, rows: torch.Tensor, dtype: torch.dtype) -> str | None:
+        """How a window of many runs (`gather.MIN_RUNS` or more) of a pool (`rows`: its token rows,
+        ``[slots, H, D]``) is loaded into a staging buffer of `dtype` in one go
+        (`gather.copy_rows_kv`'s kernel), or None: one copy per run. The CPU: "torch" (``index_select``, converting), or `gather` where a test set it;
         an asynchronous medium without a kernel of its own: None."""
         return self.gather or (None if self.is_async else "torch")
 
@@ -163,7 +163,7 @@ class CudaMedium(Medium):
         super().__init__(device)
         self.stream = torch.cuda.Stream(device=device)
         self._written = None
-        self._pinned: dict[tuple, bool] = {}  # (pool storage, dtype): the gather kernel applies
+        self._pinned: dict[tuple, bool] = {}  # (pool storage, dtype, row shape): the kernel applies
 
     def on_copy_stream(self):
         return torch.cuda.stream(self.stream)
@@ -186,17 +186,17 @@ class CudaMedium(Medium):
         if event is not None:
             self.stream.wait_event(event)
 
-    def gather_kernel(self, pool: torch.Tensor, dtype: torch.dtype) -> str | None:
+    def gather_kernel(self, rows: torch.Tensor, dtype: torch.dtype) -> str | None:
         """Our Triton kernel reading the registered host pool through UVA, where it is pinned,
-        the staging buffer is in its dtype and the kernel checked out on this device
-        (`gather.triton_usable`); else one copy per run."""
-        if pool.device.type != "cpu" or dtype != pool.dtype:
+        the staging buffer is in its dtype and the kernel checked out on this device for this row
+        shape (`gather.triton_usable`); else one copy per run."""
+        if rows.device.type != "cpu" or dtype != rows.dtype:
             return None
-        key = (pool.untyped_storage().data_ptr(), dtype)
+        key = (rows.untyped_storage().data_ptr(), dtype, tuple(rows.shape[1:]))
         pinned = self._pinned.get(key)
         if pinned is None:
-            pinned = self._pinned[key] = bool(pool.is_pinned()) and gather.triton_usable(
-                self.device, dtype, tuple(pool.shape[2:]))
+            pinned = self._pinned[key] = bool(rows.is_pinned()) and gather.triton_usable(
+                self.device, dtype, tuple(rows.shape[1:]))
         return "triton" if pinned else None
 
     def index_to_device(self, index: torch.Tensor) -> torch.Tensor:

@@ -126,12 +126,15 @@ def test_a_gpu_gathers_only_from_pinned_pools_in_the_staging_dtype(monkeypatch):
     Medium.__init__(m, torch.device("cuda:0"))
     m._pinned = {}
     usable = {"ok": True}
-    monkeypatch.setattr(gather, "triton_usable", lambda *a: usable["ok"])
+    asked = []
+    monkeypatch.setattr(gather, "triton_usable",
+                        lambda dev, dtype, row_shape: asked.append(row_shape) or usable["ok"])
     pinned, plain = torch.zeros(64, 2, 16).bfloat16(), torch.zeros(64, 2, 16).bfloat16()
     monkeypatch.setattr(torch.Tensor, "is_pinned",
                         lambda self, *a: self.untyped_storage().data_ptr()
                         == pinned.untyped_storage().data_ptr())
     assert m.gather_kernel(pinned, torch.bfloat16) == "triton"
+    assert asked == [(2, 16)]  # checked for the pool's rows: [slots, H, D] -> (H, D)
     assert m.gather_kernel(plain, torch.bfloat16) is None  # pageable: no UVA
     assert m.gather_kernel(pinned, torch.float32) is None  # the kernel does not convert
     usable["ok"] = False
