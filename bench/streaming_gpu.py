@@ -37,7 +37,6 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass, field
-
 from types import SimpleNamespace
 
 import torch
@@ -660,9 +659,7 @@ def exactness(geo: Geometry, device, attn: Attention, tol: float, seed: int,
     # them (request 0 keeps its pages, so the sharp key stays where it is)
     need = [math.ceil((c + 7) / g.page) for c in ctx]
     conn_pages = [perm[:need[0]], perm[need[0]:need[0] + need[1]]]
-    transfer = Transfer(Medium.for_device(device))
-    if gather_kernel is not None and device.type == "cpu":
-        transfer.medium.gather = gather_kernel
+    transfer = Transfer(Medium.for_device(device))  # gathers as the connector does (gather.py)
     for name, new, recent, mode in cases:
         diffs = []
         outs = []
