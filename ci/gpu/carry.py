@@ -744,7 +744,9 @@ def cmd_pack(args) -> int:
 
 # Device seconds of each part of a session, from the H200 run of 2026-11-27 (ci/gpu/README.md): a
 # fresh machine's start with the first unpack call (30 s held), one more unpack call (~6 s each,
-# 62 MiB carried), then the last call's steps as first_run.sh timed them (443 s in all).
+# 62 MiB carried), then the last call's steps as first_run.sh timed them (443 s in all); the floor
+# bench 33 s then, 50 s on 2026-11-30 (26 s of it allocating its tier, since cut to 7 s), 45 s
+# expected with the connector variant (--decode stream,connector).
 PLAN_SECONDS = {"start": 30, "unpack": 6, "floor bench": 45, "install": 70, "check_layout": 141,
                 "check_streaming": 201, "check_scratch": 130, "shuffled bench": 60}
 # call 8, on the same warm machine, outside the 10-minute first job: the device scratch check
