@@ -13,8 +13,8 @@ rows by one ``index_select`` per pool.
   ``(source row, destination row, rows)``, as one int32 tensor ``[2, rows]``.
 - `copy_rows_kv(k_dst, v_dst, k_src, v_src, index)`: ``dst[index[1]] = src[index[0]]`` for K and V
   (rows: the first dim). ``kernel="triton"``: our Triton kernel (a GPU; on the CPU only under
-  ``TRITON_INTERPRET=1``, which is how CI checks it), ``"torch"``: ``index_select`` + ``index_copy_``
-  (same device, any dtypes: it converts).
+  ``TRITON_INTERPRET=1``, which is how CI checks it), ``"torch"``: ``index_select`` +
+  ``index_copy_`` (same device, any dtypes: it converts).
 - `triton_usable(device, dtype, row_shape)`: whether the kernel runs here over a registered host
   source and gives the exact rows (checked once per device, dtype and row shape on a small
   problem, as `packed.varlen_usable` checks the varlen kernel); where it does not, the caller copies
@@ -91,7 +91,8 @@ def copy_rows_kv(k_dst: torch.Tensor, v_dst: torch.Tensor, k_src: torch.Tensor,
     if not index.shape[1]:
         return
     if kernel == "triton":
-        assert k_dst.dtype == k_src.dtype == v_dst.dtype == v_src.dtype, "the kernel does not convert"
+        assert k_dst.dtype == k_src.dtype == v_dst.dtype == v_src.dtype, \
+            "the kernel does not convert"
         assert all(t.is_contiguous() for t in (k_dst, v_dst, k_src, v_src, index))
         _launch(k_dst, v_dst, k_src, v_src, index)
         return
@@ -133,7 +134,8 @@ def triton_usable(device: torch.device, dtype: torch.dtype, row_shape: tuple) ->
                     torch.cuda.synchronize(device)
                 want = torch.cat([torch.arange(40, 43), torch.tensor([5]), torch.arange(60, 64),
                                   torch.arange(0, 2)])
-                ok = (torch.equal(k_dst.cpu(), k_src[want]) and torch.equal(v_dst.cpu(), v_src[want]))
+                ok = (torch.equal(k_dst.cpu(), k_src[want])
+                      and torch.equal(v_dst.cpu(), v_src[want]))
             del arenas
         except Exception:  # noqa: BLE001 - no triton, no UVA, no build: copy run by run
             ok = False

@@ -130,8 +130,9 @@ class Medium:
     def gather_kernel(self, rows: torch.Tensor, dtype: torch.dtype) -> str | None:
         """How a window of many runs (`gather.MIN_RUNS` or more) of a pool (`rows`: its token rows,
         ``[slots, H, D]``) is loaded into a staging buffer of `dtype` in one go
-        (`gather.copy_rows_kv`'s kernel), or None: one copy per run. The CPU: "torch" (``index_select``, converting), or `gather` where a test set it;
-        an asynchronous medium without a kernel of its own: None."""
+        (`gather.copy_rows_kv`'s kernel), or None: one copy per run. The CPU: "torch"
+        (``index_select``, converting), or `gather` where a test set it; an asynchronous medium
+        without a kernel of its own: None."""
         return self.gather or (None if self.is_async else "torch")
 
     def index_to_device(self, index: torch.Tensor) -> torch.Tensor:

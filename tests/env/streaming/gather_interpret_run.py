@@ -68,7 +68,8 @@ def check_transfer():
     t = Transfer(m)
     n = 0
     for start, wk, wv in t.windows(store.k["L"], store.v["L"], pages, ctx, 64):
-        assert torch.equal(wk, k[start:start + wk.shape[0]]) and torch.equal(wv, v[start:start + wv.shape[0]])
+        rows = wk.shape[0]
+        assert torch.equal(wk, k[start:start + rows]) and torch.equal(wv, v[start:start + rows])
         n += 1
     assert t.gathers == n == -(-ctx // 64) and t.copies == 0, (t.gathers, n, t.copies)
     print("OK transfer", flush=True)

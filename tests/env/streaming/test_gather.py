@@ -75,7 +75,8 @@ def test_a_window_of_scattered_pages_is_one_gather(monkeypatch):
     assert t.gathers == len(got) == -(-ctx // 64) and t.copies == 0
     for s, wk, wv in got:
         assert wk.dtype == torch.float32
-        assert torch.equal(wk, k[s:s + len(wk)].float()) and torch.equal(wv, v[s:s + len(wv)].float())
+        n = len(wk)
+        assert torch.equal(wk, k[s:s + n].float()) and torch.equal(wv, v[s:s + n].float())
 
     monkeypatch.setattr(gather, "MIN_RUNS", 10 ** 9)
     t2 = Transfer(Medium(torch.device("cpu")))

@@ -127,7 +127,8 @@ def test_the_other_dtype_path(tmp_path):
     # the mixed batch's steps of two requests took the packed path; the varlen call is CUDA's
     calls = info["streaming_calls"]
     assert calls["packed_calls"] > 0 and calls["varlen_calls"] == calls["varlen_refused"] == 0
-    assert f"streaming packed calls (steps of several requests) {calls['packed_calls']}:" in res.stdout
+    packed_line = f"streaming packed calls (steps of several requests) {calls['packed_calls']}:"
+    assert packed_line in res.stdout
 
 
 @pytest.mark.env
