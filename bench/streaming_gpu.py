@@ -545,8 +545,7 @@ def host_attend(tier: HostTier, layer: int, q_host: torch.Tensor, pages: list[in
     return out.reshape(g.hq, g.d), (m + torch.log(s)).reshape(g.hq)
 
 
-def step_connector(batch: Batch, transfer: Transfer, window: int, out: torch.Tensor,
-                   plan: StepPlan | None = None) -> None:
+def step_connector(batch: Batch, transfer: Transfer, window: int, out: torch.Tensor) -> None:
     """One step of every layer through the StreamingConnector's own windowed path, as its worker
     runs a streaming layer on a GPU: a lone request by `windowed.windowed_attention` over a
     `PagedHistory`, several by `packed.packed_attention` (packed windows, one varlen call per
@@ -560,8 +559,7 @@ def step_connector(batch: Batch, transfer: Transfer, window: int, out: torch.Ten
     assert not any(batch.recent), "the connector streams the whole history"
     segments = [(batch.cu_q[r], batch.cu_q[r + 1], SimpleNamespace(start=c, pages=batch.pages[r]))
                 for r, c in enumerate(batch.ctx)]
-    if len(segments) > 1 and plan is None:
-        plan = StepPlan(segments, window, g.page)
+    plan = StepPlan(segments, window, g.page) if len(segments) > 1 else None
     for layer in range(g.layers):
         kp, vp = batch.tier.k[layer], batch.tier.v[layer]
         q, k, v = batch.q[layer], batch.new_k[layer], batch.new_v[layer]
