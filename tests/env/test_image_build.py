@@ -14,11 +14,12 @@ buildah and run (the commands of docs/image.md, "Build and run", shown there for
 The other bases' images are exercised through their install step (tests/env/test_image_install.py, run
 on each base); their deps images in this storage (e.g. from `docker_build.sh --deps-only`) are kept.
 
-Everything lives in the test's own containers-storage (/var/lib/kvstack-image-test, or
-$KVSTACK_IMAGE_TEST_STORE; vfs driver, via CONTAINERS_STORAGE_CONF): images of earlier runs that the new
-image no longer uses are removed after each build (every base's current deps image is kept), so vfs's
-full-copy layers do not fill the disk. Builds need root (buildah, mmdebstrap and
-apt-get: missing tools are installed from Debian's packages) and ~30 GB of free disk.
+Everything lives in the test's own containers-storage (/var/lib/kvstack-image-cpu, or
+$KVSTACK_IMAGE_TEST_STORE; overlay driver, via CONTAINERS_STORAGE_CONF): images of earlier runs that the
+new image no longer uses are removed after each build (every base's current deps image is kept). The
+storage the test used before, /var/lib/kvstack-image-test (vfs driver: every layer a full copy, 15 GB at
+its peak, 10.5 GB kept between runs), is removed when found. Builds need root (buildah, mmdebstrap and
+apt-get: missing tools are installed from Debian's packages) and ~10 GB of free disk.
 """
 
 from __future__ import annotations
@@ -46,7 +47,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]
 
 # The test's own containers-storage. Not under /root/.cache: buildah 1.28 wipes a build container's root
 # file system after a RUN whose cache mount targets /root/.cache when its storage lies under that path.
-STORE = Path(os.environ.get("KVSTACK_IMAGE_TEST_STORE", "/var/lib/kvstack-image-test"))
+STORE = Path(os.environ.get("KVSTACK_IMAGE_TEST_STORE", "/var/lib/kvstack-image-cpu"))
+# The storage of this test until 2026-11-30 (vfs driver): removed, it only holds this test's images.
+OLD_VFS_STORE = Path("/var/lib/kvstack-image-test")
 OUT = REPO / "build" / "image"
 VERSION = re.search(r'^version *= *"([^"]+)"', (REPO / "pyproject.toml").read_text(), re.M).group(1)
 KVSTACK_BASE = default_base()  # the base the tests run on
@@ -76,7 +79,7 @@ SERVE_ARGS = ["--served-model-name", "tiny-llama4", "--max-model-len", "512", "-
 PROMPT = {"model": "tiny-llama4", "prompt": "A language model reads a prompt", "max_tokens": 8, "temperature": 0}
 
 
-IMAGES = Store(STORE, "vfs")
+IMAGES = Store(STORE, "overlay")
 run, buildah, image_exists, inspect, _env = (IMAGES.run, IMAGES.buildah, IMAGES.image_exists,
                                              IMAGES.inspect, IMAGES.env)
 
@@ -154,6 +157,8 @@ class Server:
 @pytest.fixture(scope="module")
 def store():
     OUT.mkdir(parents=True, exist_ok=True)
+    if OLD_VFS_STORE.is_dir() and OLD_VFS_STORE != STORE:
+        shutil.rmtree(OLD_VFS_STORE, ignore_errors=True)  # vfs: plain directories, nothing mounted
     return IMAGES.open()
 
 
@@ -322,7 +327,7 @@ def test_readme_shows_exactly_these_commands():
     section = text[text.index("\n## Build and run"):]
     section = section[: section.index("\n## ", 5)]
     flat = re.sub(r"\s*\\\n\s*", " ", section)
-    assert "export STORAGE_DRIVER=vfs BUILDAH_ISOLATION=chroot" in flat  # what _env() sets
+    assert "export STORAGE_DRIVER=overlay BUILDAH_ISOLATION=chroot" in flat  # what _env() sets
     assert " ".join(MAKE_BASE) in flat
     assert " ".join(build_command(README_BASE)) + " /etc/ssl/certs/ca-certificates.crt" in flat
     readme_tag = f"kvstack:{VERSION}-{README_BASE}-cpu"

@@ -1,11 +1,12 @@
 """`.ci/run`, CI's entry point: installs the tests' Debian packages where missing
 (scripts/ci_packages.sh, progress on stderr), runs `make test` with CI=1 from the repository root,
-ends with the run's wall time, and exits with make's status (a `make` stand-in on PATH: the real
+ends with the run's wall time and the free disk before and after, and exits with make's status (a `make` stand-in on PATH: the real
 `make test` is what CI runs around this test)."""
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -32,6 +33,7 @@ def test_runs_make_test_and_ends_with_its_time(tmp_path):
     assert lines[0] == f"make test in {REPO} CI=1"
     assert lines[-1].startswith("== .ci/run: make test took 0m") and lines[-1].endswith(
         "exit status 0"), lines[-1]
+    assert re.search(r", \d+ GB free on disk before it and \d+ GB after, ", lines[-1]), lines[-1]
 
 
 def test_a_failing_run_still_prints_its_time_and_keeps_the_status(tmp_path):
