@@ -7,8 +7,9 @@
 #   scripts/venv_cache.sh [--base NAME] [--venv DIR] [--python PY]
 #
 # The pinned wheels' venv (3-6 GB, minutes of pip) depends only on the pin files, the install
-# scripts and the interpreter: it is kept in $KVSTACK_CACHE/venvs/<base>-<hash of those> (the two
-# newest per base stay), and a new venv of the same inputs (a fresh clone's) starts as a copy.
+# scripts and the interpreter: it is kept in $KVSTACK_CACHE/venvs/<base>-<hash of those> (only the
+# one in use per base stays: 3-6 GB each, docs/testing.md "Disk"), and a new venv of the same inputs
+# (a fresh clone's) starts as a copy.
 # A venv names its own path only in bin/ (the scripts' #! lines, activate) and pyvenv.cfg: those
 # are rewritten for the copy's path (scripts/venv_copy.sh).
 # A venv that already has its pinned wheels (build_env.sh's .kvstack-deps stamp) is left as it is.
@@ -24,7 +25,7 @@ while [ $# -gt 0 ]; do
     --base) base_arg="$2"; shift 2;;
     --venv) venv="$2"; shift 2;;
     --python) python="$2"; shift 2;;
-    -h|--help) sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; exit 0;;
+    -h|--help) awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0"; exit 0;;
     *) echo "error: unknown argument $1 (see --help)" >&2; exit 2;;
   esac
 done
@@ -46,11 +47,24 @@ key=$( { echo "base $base"; "$python" -c 'import sys; print(sys.version.split()[
              "$root/scripts/lib_base.sh"; } | sha256sum | cut -c1-16)
 snap="$cache/venvs/$base-$key"
 
+# kept: only the snapshot of the current inputs (an older one is a pin or script change ago: a
+# switch back rebuilds it, minutes, where keeping it costs 3-6 GB of every run's disk)
+prune_others() {
+  local other
+  for other in "$cache/venvs/$base"-*; do
+    case "$other" in "$snap"|*.partial) continue;; esac  # a .partial: a build in progress
+    [ -d "$other" ] || continue
+    step "removing the cached venv of other inputs: $other"
+    rm -rf "$other"
+  done
+}
+
 if [ "${KVSTACK_VENV_CACHE:-1}" != 0 ] && [ -f "$snap/venv/.kvstack-deps" ] && [ -f "$snap/origin" ]; then
   step "base $base: the pinned wheels' venv from the cache ($snap)"
   t0=$SECONDS
   bash "$root/scripts/venv_copy.sh" "$snap/venv" "$venv" "$(cat "$snap/origin")"
   step "  copied to $venv in $((SECONDS - t0)) s"
+  prune_others
   exit 0
 fi
 
@@ -61,6 +75,4 @@ rm -rf "$snap.partial" && mkdir -p "$snap.partial"
 cp -a "$venv" "$snap.partial/venv"
 echo "$venv" > "$snap.partial/origin"
 rm -rf "$snap" && mv "$snap.partial" "$snap"
-# kept: this one and the newest other one of the base (a pin bump and back rebuilds nothing)
-# shellcheck disable=SC2012
-ls -dt "$cache/venvs/$base"-* | grep -v '\.partial$' | tail -n +3 | xargs -r rm -rf
+prune_others

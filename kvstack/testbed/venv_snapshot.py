@@ -4,8 +4,8 @@ A test that needs a fresh venv with the pinned wheels installed the way a user o
 them (tests/env/test_own_install.py, tests/env/test_image_install.py) spends minutes of pip on each
 run, for a result that depends only on the install's inputs: the install commands, the pin files, the
 install scripts they run, the interpreter. `provide` keeps that venv in kvstack's cache under the hash
-of those inputs (``$KVSTACK_CACHE/venvs/<what>-<hash>``, the two newest per `what` stay, as
-scripts/venv_cache.sh keeps `make env`'s) and gives each run a copy (scripts/venv_copy.sh: its own
+of those inputs (``$KVSTACK_CACHE/venvs/<what>-<hash>``, only the current one per `what` stays,
+as scripts/venv_cache.sh keeps `make env`'s: 3-6 GB each) and gives each run a copy (scripts/venv_copy.sh: its own
 path rewritten where a venv names it), on which the test then runs its steps. The container builder
 does the same for the image: its deps stage is a layer cached by the same inputs.
 
@@ -27,7 +27,6 @@ from kvstack.release.pins import cache_dir
 
 REPO = Path(__file__).resolve().parents[2]
 COPY = REPO / "scripts" / "venv_copy.sh"
-KEEP = 2
 SWITCH = "KVSTACK_VENV_CACHE"
 
 
@@ -74,6 +73,7 @@ def provide(dest: Path, what: str, inputs: Iterable[str | Path], build: Callable
     snap = cache_dir() / "venvs" / f"{what}-{key_of(what, inputs)}"
     if enabled() and (snap / "venv" / "pyvenv.cfg").is_file() and (snap / "origin").is_file():
         copy_venv(snap / "venv", dest, Path((snap / "origin").read_text().strip()))
+        _prune_others(snap, what)
         return f"{what}: the venv copied from {snap} in {time.monotonic() - t0:.0f} s"
     build(dest)
     built = time.monotonic() - t0
@@ -86,9 +86,13 @@ def provide(dest: Path, what: str, inputs: Iterable[str | Path], build: Callable
     (partial / "origin").write_text(f"{dest}\n")
     shutil.rmtree(snap, ignore_errors=True)
     partial.rename(snap)
-    # kept: this one and the newest other one of the same `what` (an input changed and back rebuilds nothing)
-    others = sorted((p for p in snap.parent.glob(f"{what}-*") if not p.name.endswith(".partial") and p != snap),
-                    key=lambda p: p.stat().st_mtime, reverse=True)
-    for old in others[KEEP - 1:]:
-        shutil.rmtree(old, ignore_errors=True)
+    _prune_others(snap, what)
     return f"{what}: the venv built in {built:.0f} s and kept in {snap}"
+
+
+def _prune_others(snap: Path, what: str) -> None:
+    """Only the venv of the current inputs stays (an input changed and back builds again, minutes,
+    where keeping the old one costs 3-6 GB of every run's disk); a build in progress (.partial) stays."""
+    for old in snap.parent.glob(f"{what}-*"):
+        if old != snap and not old.name.endswith(".partial") and old.name[len(what) + 1:].isalnum():
+            shutil.rmtree(old, ignore_errors=True)

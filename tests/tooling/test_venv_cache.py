@@ -83,10 +83,24 @@ def test_other_install_scripts_build_again(bed):
     fake.write_text(FAKE_BUILD_ENV + "# edited\n")
     _run(env, tmp / "two" / ".venv")
     assert _runs(tmp) == 2
+    # only the venv of the current inputs stays (3-6 GB each)
+    assert len(list((tmp / "cache" / "venvs").iterdir())) == 1
     fake.write_text(FAKE_BUILD_ENV + "# edited again\n")
     _run(env, tmp / "three" / ".venv")
-    # the two newest stay
-    assert len(list((tmp / "cache" / "venvs").iterdir())) == 2
+    assert _runs(tmp) == 3
+    fake.write_text(FAKE_BUILD_ENV)  # back to the first inputs: built again, the others removed
+    _run(env, tmp / "four" / ".venv")
+    assert _runs(tmp) == 4
+    (snap,) = (tmp / "cache" / "venvs").iterdir()
+    # a copy from the cache removes the others too (a cache that held two before this change),
+    # but a build in progress (.partial) and another base's venvs
+    for other in ("0.32-0123456789abcdef", "0.32-feedfeedfeedfeed.partial", "0.25-0123456789abcdef"):
+        (tmp / "cache" / "venvs" / other / "venv").mkdir(parents=True)
+    out = _run(env, tmp / "five" / ".venv")
+    assert _runs(tmp) == 4 and "from the cache" in out
+    assert "removing the cached venv of other inputs" in out
+    assert sorted(p.name for p in (tmp / "cache" / "venvs").iterdir()) == sorted(
+        [snap.name, "0.32-feedfeedfeedfeed.partial", "0.25-0123456789abcdef"])
 
 
 def test_switched_off_it_builds_and_keeps_nothing(bed):

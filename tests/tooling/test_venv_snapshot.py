@@ -63,7 +63,7 @@ def test_built_once_then_copied_with_its_own_path(tmp_path, cache):
     assert (c / "lib" / "pkg" / "data.txt").read_text() == f"built at {a}\n" and build.runs == 1
 
 
-def test_another_input_builds_again_and_two_stay(tmp_path, cache):
+def test_another_input_builds_again_and_only_the_current_stays(tmp_path, cache):
     """The control: a changed input file (or command, or name) is a new venv, never the old one's copy."""
     build = FakeBuild()
     pins = tmp_path / "pins.env"
@@ -75,7 +75,16 @@ def test_another_input_builds_again_and_two_stay(tmp_path, cache):
     venv_snapshot.provide(tmp_path / "3", "what", ["other cmd", pins], build)
     venv_snapshot.provide(tmp_path / "4", "other", ["other cmd", pins], build)
     assert build.runs == 4
-    assert len(list(cache.glob("what-*"))) == 2 and len(list(cache.glob("other-*"))) == 1
+    assert len(list(cache.glob("what-*"))) == 1 and len(list(cache.glob("other-*"))) == 1
+    # a copy from the cache removes the others of its `what` too, not a build in progress nor a
+    # longer name that starts like it
+    for name in ("what-0123456789abcdef", "what-feedfeedfeedfeed.partial", "what-0.32-0123456789abcdef"):
+        (cache / name / "venv").mkdir(parents=True)
+    line = venv_snapshot.provide(tmp_path / "5", "what", ["other cmd", pins], build)
+    assert build.runs == 4 and "copied from" in line
+    assert sorted(p.name for p in cache.glob("what-*")) == sorted(
+        [f"what-{venv_snapshot.key_of('what', ['other cmd', pins])}", "what-feedfeedfeedfeed.partial",
+         "what-0.32-0123456789abcdef"])
     assert venv_snapshot.key_of("what", ["cmd", pins]) != venv_snapshot.key_of("what", ["cmd2", pins])
 
 
