@@ -76,16 +76,18 @@ def span(new_tokens: int, ctx: int) -> int:
 class StepPlan:
     """What packed windows of a step need that every layer of a streaming group shares (same
     requests, pages and page size): the spans, the windows (`plan`) and each piece's runs of
-    consecutive pool slots (`slot_runs`). Built once per step and window size (the worker's
-    _Batch keeps it), not per layer."""
+    consecutive pool slots (`slot_runs`), and the gather index of each window that is loaded by
+    one gather (`Transfer.packed`'s ``index_cache``, filled by the first layer). Built once per
+    step and window size (the worker's _Batch keeps it), not per layer."""
 
-    __slots__ = ("spans", "windows", "runs")
+    __slots__ = ("spans", "windows", "runs", "gather_index")
 
     def __init__(self, segments: list, window: int, page_tokens: int):
         self.spans = [span(b - a, r.start) for a, b, r in segments]
         self.windows = plan(self.spans, window)
         self.runs = [[slot_runs(segments[pc.req][2].pages, page_tokens, pc.start, pc.end - pc.start)
                       for pc in pieces] for pieces in self.windows]
+        self.gather_index: dict = {}
 
 
 def varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal=False):
@@ -182,7 +184,8 @@ def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     if use_varlen is None:
         use_varlen = query.device.type == "cuda" and varlen_usable(
             query.device, query.dtype, query.shape[1], key.shape[1], query.shape[2])
-    for pieces, kvs, whole in transfer.packed(k_pool, v_pool, windows, step.runs, window, dtypes):
+    for pieces, kvs, whole in transfer.packed(k_pool, v_pool, windows, step.runs, window, dtypes,
+                                              step.gather_index):
         if use_varlen and whole is not None and _attend_varlen(reqs, pieces, whole, query, scale):
             continue
         for pc, (k, v) in zip(pieces, kvs):

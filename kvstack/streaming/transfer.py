@@ -295,7 +295,7 @@ class Transfer:
 
     def packed(self, k_pool: torch.Tensor, v_pool: torch.Tensor, windows: list[list],
                runs_of: list[list[list[tuple[int, int, int]]]], window: int,
-               dtypes: list[torch.dtype | None]
+               dtypes: list[torch.dtype | None], index_cache: dict | None = None
                ) -> Iterator[tuple[list, list[tuple[torch.Tensor, torch.Tensor]], tuple | None]]:
         """The packed windows of a step (packed.plan: pieces of several requests' histories back to
         back; ``runs_of[i][j]``: the pool slot runs of window i's piece j, `slot_runs` of its
@@ -306,7 +306,10 @@ class Transfer:
         next window loads while the caller attends this one, and the caller must be done with a
         window (on the compute stream) when it asks for the next. ``dtypes``: each window's
         staging dtype (None: `Medium.staging_dtype`). Where the medium shares the pools' memory
-        and a window's dtype is the pools', a piece of one slot run is a view of the pools."""
+        and a window's dtype is the pools', a piece of one slot run is a view of the pools.
+        ``index_cache``: where a window's gather index (`gather.run_rows`, on the device) is kept
+        for the next layer of the same step (`packed.StepPlan.gather_index`: the same windows and
+        slots in every layer), so that it is built and copied once per step, not per layer."""
         if not windows:
             return
         P = k_pool.shape[1]
@@ -327,6 +330,7 @@ class Transfer:
                 return (pieces, kvs, None), None, None
             key, bufs = self._buffers(k_pool, staging_tokens(window, P), dtype)
             bk, bv = bufs[i % 2]
+            shared = m.zero_copy(k_pool, dtype)
             with m.on_copy_stream():
                 m.copy_waits(self._consumed[key][i % 2])
                 rows = []
@@ -336,23 +340,29 @@ class Transfer:
                     rows += [(slot, pc.at + off, length) for slot, off, length in rr]
                     n = pc.end - pc.start
                     kvs[j] = (bk[pc.at:pc.at + n], bv[pc.at:pc.at + n])
-                self._copy_runs(bk, bv, pools[0], pools[1], rows)
+                self._copy_runs(bk, bv, pools[0], pools[1], rows, index_cache, (i, shared))
                 ready = m.copy_event()
             fill = max(pc.at + pc.end - pc.start for pc in pieces)
-            whole = (bk[:fill], bv[:fill], fill) if not m.zero_copy(k_pool, dtype) else None
+            whole = (bk[:fill], bv[:fill], fill) if not shared else None
             return (pieces, kvs, whole), ready, key
 
         yield from self._double_buffered(len(windows), window_at)
 
-    def _copy_runs(self, bk, bv, kf, vf, runs: list[tuple[int, int, int]]) -> None:
+    def _copy_runs(self, bk, bv, kf, vf, runs: list[tuple[int, int, int]],
+                   index_cache: dict | None = None, cache_key=None) -> None:
         """Row runs (source row, destination row, rows) of the pools `kf`/`vf` into the staging
         buffers `bk`/`bv`, on the copy stream: one gather where there are many runs and the
-        medium has a kernel for them, else one copy per run."""
+        medium has a kernel for them, else one copy per run. The gather's index is taken from
+        (or kept in) ``index_cache[cache_key]`` when a cache is given (the same runs there)."""
         m = self.medium
         if len(runs) >= gather.MIN_RUNS:
             kernel = m.gather_kernel(kf, bk.dtype)
             if kernel is not None:
-                index = m.index_to_device(gather.run_rows(runs))
+                index = index_cache.get(cache_key) if index_cache is not None else None
+                if index is None:
+                    index = m.index_to_device(gather.run_rows(runs))
+                    if index_cache is not None:
+                        index_cache[cache_key] = index
                 gather.copy_rows_kv(bk, bv, kf, vf, index, kernel)
                 self.gathers += 1
                 return

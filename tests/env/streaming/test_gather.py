@@ -109,6 +109,40 @@ def test_packed_windows_of_scattered_pages_gather_and_stay_exact():
     assert t.gathers == t.windows_loaded > 0
 
 
+def test_a_step_builds_each_window_gather_index_once_for_all_layers(monkeypatch):
+    """Two layers of one step with one StepPlan (as the worker runs a streaming group): each
+    window's gather index is built by the first layer and reused by the second, the outputs
+    those of the first layer. Control: without the shared plan every layer builds them again."""
+    from kvstack.streaming.packed import StepPlan, packed_attention
+    from test_packed import D, _step
+
+    cases = [(200, 1), (150, 5), (90, 1)]
+    store, segments, q, k, v, _ = _step(cases, 4, "shuffled", seed=3)
+    built = []
+    real = gather.run_rows
+    monkeypatch.setattr(gather, "run_rows", lambda runs: built.append(len(runs)) or real(runs))
+    pools = (store.k["L"].clone(), store.v["L"].clone())  # the layers' pools, as before the step
+
+    def layers(step):
+        outs = []
+        for _ in range(2):
+            t = Transfer(Medium(torch.device("cpu")))
+            out = torch.full_like(q, float("nan"))
+            packed_attention(q, k, v, segments, pools[0].clone(), pools[1].clone(), t, 64,
+                             D ** -0.5, out, step=step)
+            assert t.gathers == t.windows_loaded > 0
+            outs.append(out)
+        return outs
+
+    step = StepPlan(segments, 64, 4)
+    first, second = layers(step)
+    assert torch.equal(first, second)
+    assert len(built) == len(step.windows) == len(step.gather_index) > 1
+    built.clear()
+    layers(None)
+    assert len(built) == 2 * len(step.windows)
+
+
 def test_an_asynchronous_medium_without_a_kernel_copies_run_by_run():
     from test_transfer import DeferredMedium
 
