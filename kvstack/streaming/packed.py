@@ -76,18 +76,50 @@ def span(new_tokens: int, ctx: int) -> int:
 class StepPlan:
     """What packed windows of a step need that every layer of a streaming group shares (same
     requests, pages and page size): the spans, the windows (`plan`) and each piece's runs of
-    consecutive pool slots (`slot_runs`), and the gather index of each window that is loaded by
-    one gather (`Transfer.packed`'s ``index_cache``, filled by the first layer). Built once per
-    step and window size (the worker's _Batch keeps it), not per layer."""
+    consecutive pool slots (`slot_runs`), the gather index of each window that is loaded by
+    one gather (`Transfer.packed`'s ``index_cache``, filled by the first layer) and each window's
+    arguments of the varlen call (`varlen_args`). Built once per step and window size (the
+    worker's _Batch keeps it), not per layer."""
 
-    __slots__ = ("spans", "windows", "runs", "gather_index")
+    __slots__ = ("spans", "windows", "runs", "gather_index", "rows", "_varlen")
 
     def __init__(self, segments: list, window: int, page_tokens: int):
+        self.rows = [(a, b) for a, b, _ in segments]
+        self._varlen: dict = {}
         self.spans = [span(b - a, r.start) for a, b, r in segments]
         self.windows = plan(self.spans, window)
         self.runs = [[slot_runs(segments[pc.req][2].pages, page_tokens, pc.start, pc.end - pc.start)
                       for pc in pieces] for pieces in self.windows]
         self.gather_index: dict = {}
+
+    def varlen_args(self, i: int, device: torch.device) -> tuple:
+        """Window i's varlen call: (first request, last request, cu_q, cu_k, max_q, max_k), the
+        rows of its requests (a contiguous range of the batch; a request in that range without a
+        piece here gets an empty key range) over its pieces back to back. The cumulative lengths
+        of every window of the step are one int32 tensor, made on `device` by one copy at the
+        first call (not two copies per window and layer), each window's a view of it."""
+        args = self._varlen.get(device)
+        if args is None:
+            flat, spans = [], []
+            for pieces in self.windows:
+                by_req = {pc.req: pc for pc in pieces}
+                first, last = pieces[0].req, pieces[-1].req
+                a0 = self.rows[first][0]
+                cu_q, cu_k, end_k = [0], [0], 0
+                for r in range(first, last + 1):
+                    pc = by_req.get(r)
+                    cu_q.append(self.rows[r][1] - a0)
+                    end_k = pc.at + pc.end - pc.start if pc is not None else end_k
+                    cu_k.append(end_k)
+                spans.append((first, last, len(flat), len(cu_q),
+                              max(b - a for a, b in zip(cu_q, cu_q[1:])),
+                              max(b - a for a, b in zip(cu_k, cu_k[1:]))))
+                flat += cu_q + cu_k
+            t = torch.tensor(flat, dtype=torch.int32, device=device)
+            args = [(first, last, t[o:o + n], t[o + n:o + 2 * n], mq, mk)
+                    for first, last, o, n, mq, mk in spans]
+            self._varlen[device] = args
+        return args[i]
 
 
 def varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal=False):
@@ -184,9 +216,10 @@ def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     if use_varlen is None:
         use_varlen = query.device.type == "cuda" and varlen_usable(
             query.device, query.dtype, query.shape[1], key.shape[1], query.shape[2])
-    for pieces, kvs, whole in transfer.packed(k_pool, v_pool, windows, step.runs, window, dtypes,
-                                              step.gather_index):
-        if use_varlen and whole is not None and _attend_varlen(reqs, pieces, whole, query, scale):
+    loads = transfer.packed(k_pool, v_pool, windows, step.runs, window, dtypes, step.gather_index)
+    for i, (pieces, kvs, whole) in enumerate(loads):
+        if use_varlen and whole is not None and _attend_varlen(
+                reqs, pieces, whole, query, scale, step.varlen_args(i, query.device)):
             continue
         for pc, (k, v) in zip(pieces, kvs):
             rq = reqs[pc.req]
@@ -199,30 +232,19 @@ def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 
 
 def _attend_varlen(reqs: list[_Req], pieces: list[Piece], whole, query: torch.Tensor,
-                   scale: float) -> bool:
-    """One varlen call for a window: the rows of its requests (a contiguous range of the batch;
-    a request in that range without a piece here gets an empty key range, its result unused)
-    over their pieces. False where the kernel refuses (the caller attends per piece)."""
+                   scale: float, args: tuple) -> bool:
+    """One varlen call for a window (`args`: `StepPlan.varlen_args`): the rows of its requests
+    (a contiguous range of the batch; a request in that range without a piece here gets an empty
+    key range, its result unused) over their pieces. False where the kernel refuses (the caller
+    attends per piece)."""
     k, v, _ = whole
-    by_req = {pc.req: pc for pc in pieces}
-    first, last = pieces[0].req, pieces[-1].req
+    first, last, cu_q, cu_k, max_q, max_k = args
     a0 = reqs[first].a
-    cu_q, cu_k, end_k = [0], [0], 0
-    for i in range(first, last + 1):
-        pc = by_req.get(i)
-        cu_q.append(reqs[i].b - a0)
-        end_k = pc.at + pc.end - pc.start if pc is not None else end_k
-        cu_k.append(end_k)
-    dev = query.device
     try:
-        out, lse = varlen(query[a0:reqs[last].b], k, v,
-                          torch.tensor(cu_q, dtype=torch.int32, device=dev),
-                          torch.tensor(cu_k, dtype=torch.int32, device=dev),
-                          max(b - a for a, b in zip(cu_q, cu_q[1:])),
-                          max(b - a for a, b in zip(cu_k, cu_k[1:])), scale)
+        out, lse = varlen(query[a0:reqs[last].b], k, v, cu_q, cu_k, max_q, max_k, scale)
     except (RuntimeError, NotImplementedError, TypeError):
         return False
-    for i in by_req:
+    for i in dict.fromkeys(pc.req for pc in pieces):
         rq = reqs[i]
         rows = slice(rq.a - a0, rq.b - a0)
         rq.parts.add(out[rows], lse[:, rows].contiguous())  # merge_attn_states: contiguous LSE

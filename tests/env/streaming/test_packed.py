@@ -298,6 +298,43 @@ def test_the_plan_is_made_once_per_step_for_every_layer_of_a_group(monkeypatch):
     assert m.landed == m.issued
 
 
+def test_a_step_makes_its_varlen_lengths_once_for_all_layers(monkeypatch):
+    """Two layers of one step with one StepPlan: every window's cumulative lengths are views of
+    one tensor made at the first call, the second layer's calls get the same ones, and both
+    layers' outputs equal full attention. Control: without the shared plan each layer makes its
+    own."""
+    calls = []
+
+    def kernel(*args):
+        calls.append((args[3], args[4]))
+        return _varlen_on_cpu(*args)
+
+    monkeypatch.setattr(packed, "varlen", kernel)
+    store, segments, q, k, v, full = _step(CASES[0], 8, "shuffled", seed=1)
+    pools = (store.k["L"].clone(), store.v["L"].clone())
+
+    def layers(step):
+        for _ in range(2):
+            out = torch.empty_like(q)
+            packed_attention(q, k, v, segments, pools[0].clone(), pools[1].clone(),
+                             Transfer(DeferredMedium()), 24, D ** -0.5, out, use_varlen=True,
+                             step=step)
+            for (a, b, _), (qr, kr, vr, ctx) in zip(segments, full):
+                torch.testing.assert_close(out[a:b].double(), reference(qr, kr, vr, D ** -0.5, ctx),
+                                           atol=2e-5, rtol=2e-5)
+
+    step = packed.StepPlan(segments, 24, 8)
+    layers(step)
+    n = len(step.windows)
+    assert len(calls) == 2 * n > 2
+    one, two = calls[:n], calls[n:]
+    assert all(a[0] is b[0] and a[1] is b[1] for a, b in zip(one, two))
+    assert len({t.untyped_storage().data_ptr() for c in one for t in c}) == 1  # one tensor
+    calls.clear()
+    layers(None)
+    assert not any(a[0] is b[0] for a, b in zip(calls[:n], calls[n:]))
+
+
 def test_the_varlen_kernel_is_used_only_where_it_checks_out(monkeypatch):
     """varlen_usable: the stand-in kernel (right) is accepted; one that drops the last request's
     keys (wrong) and one that raises (missing) are not, and packed windows go per piece."""
