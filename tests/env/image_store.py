@@ -105,6 +105,25 @@ class Store:
                     removed.append(img["id"])
         return removed
 
+    def deps_tag(self, build: list[str]) -> str:
+        """The deps image `build` (a docker_build.sh command line) builds on, as tagged in this
+        storage (`--print --deps-only`: its tag hashes the base image found here)."""
+        line = self.run(["bash", *build, "--print", "--deps-only"]).stdout.strip().splitlines()[-1]
+        words = line.split()
+        return words[words.index("-t") + 1]
+
+    def require_free(self, need_gb: float, what: str) -> float:
+        """Fail now, naming the numbers, where the disk holding this storage has less than
+        `need_gb` GB free: a build that runs out of disk fails anyway, and takes every test
+        running beside it and after it down with it (the project's CI on 2026-11-30:
+        `No space left on device` in hundreds of tests). Returns the free GB."""
+        free = shutil.disk_usage(self.root).free / 1e9
+        if free < need_gb:
+            pytest.fail(f"{what} needs about {need_gb:.0f} GB of free disk, {free:.1f} GB free on "
+                        f"the disk of {self.root}: not built, so that the other tests keep theirs "
+                        "(docs/testing.md, \"Disk\")", pytrace=False)
+        return free
+
     def container(self, image: str):
         """A working container of `image` (a generator for a fixture: removed afterwards)."""
         name = self.buildah("from", image).stdout.strip().splitlines()[-1]

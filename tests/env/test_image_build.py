@@ -68,6 +68,9 @@ def build_command(base: str) -> list[str]:
 
 
 BUILD = build_command(KVSTACK_BASE)
+# free disk a build needs (overlay storage): its deps image (4.4 GB, committed from a working
+# container, pip's downloads beside it) and all, or only the final stage and a container
+COLD_GB, WARM_GB = 12, 4
 MODEL_IN_IMAGE = "/models/llama4"
 SERVE_ENV = ["-e", "VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE=1", "-e", "VLLM_CPU_KVCACHE_SPACE=1"]
 KV_TRANSFER = ('{"kv_connector":"StreamingConnector","kv_role":"kv_both","kv_connector_module_path":"kvstack.streaming",'
@@ -173,6 +176,9 @@ def image(store):
     cmd = ["bash", *BUILD[:-1]]
     if ca_bundle():
         cmd += ["--ca-cert", ca_bundle()]
+    cold = not image_exists(IMAGES.deps_tag(BUILD[:-1]))
+    IMAGES.require_free(COLD_GB if cold else WARM_GB,
+                        f"the cpu image's build ({'deps image and all' if cold else 'final stage'})")
     before = inspect(TAG)["FromImageID"] if image_exists(TAG) else None
     t = time.monotonic()
     res = run(cmd, check=False, timeout=3300, log=OUT / "build-cpu.log")
@@ -291,6 +297,19 @@ def test_unknown_or_missing_builder_fails_before_anything(store, tmp_path):
         res = run(["/bin/bash", "scripts/make_base_image.sh", "--builder", builder], check=False, env=env)
         assert res.returncode == 2 and f"'{builder}' is not installed" in res.stdout, res.stdout
     assert buildah("images", "--all", "--quiet").stdout == before
+
+
+def test_a_build_without_the_disk_it_needs_fails_before_it_starts(tmp_path):
+    """Store.require_free: more than the disk has fails at once, naming both figures (as the build
+    fixtures call it before building); what the disk has passes and says how much is free."""
+    store = Store(tmp_path, "overlay")
+    free = store.require_free(0, "nothing")
+    assert free > 0
+    with pytest.raises(pytest.fail.Exception) as err:
+        store.require_free(free + 1000, "the cpu image's build (deps image and all)")
+    msg = str(err.value)
+    assert msg.startswith(f"the cpu image's build (deps image and all) needs about {free + 1000:.0f} GB")
+    assert f"GB free on the disk of {tmp_path}" in msg and '"Disk"' in msg
 
 
 def test_base_image_without_python311_fails_early_naming_it(store):
