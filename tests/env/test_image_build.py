@@ -90,13 +90,7 @@ run, buildah, image_exists, inspect, _env = (IMAGES.run, IMAGES.buildah, IMAGES.
 def current_deps_images() -> list[str]:
     """Every base's deps image as docker_build.sh would tag it now (built or not): kept by prune(), so
     a deps image built for another base (`--deps-only`) survives this base's build."""
-    tags = []
-    for base in base_names():
-        cmd = ["bash", *BUILD[:-1], "--print", "--deps-only"]
-        cmd[cmd.index("--base") + 1] = base
-        line = run(cmd).stdout.strip().splitlines()[-1].split()
-        tags.append(line[line.index("-t") + 1])
-    return tags
+    return [IMAGES.deps_tag(build_command(base)[:-1]) for base in base_names()]
 
 
 def prune(keep: list[str]) -> list[str]:
