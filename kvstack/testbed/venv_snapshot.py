@@ -5,8 +5,8 @@ them (tests/env/test_own_install.py, tests/env/test_image_install.py) spends min
 run, for a result that depends only on the install's inputs: the install commands, the pin files, the
 install scripts they run, the interpreter. `provide` keeps that venv in kvstack's cache under the hash
 of those inputs (``$KVSTACK_CACHE/venvs/<what>-<hash>``, only the current one per `what` stays,
-as scripts/venv_cache.sh keeps `make env`'s: 3-6 GB each) and gives each run a copy (scripts/venv_copy.sh: its own
-path rewritten where a venv names it), on which the test then runs its steps. The container builder
+as scripts/venv_cache.sh keeps `make env`'s: 3-6 GB each) and gives each run a copy
+(scripts/venv_copy.sh: its own path rewritten where a venv names it), on which the test then runs its steps. The container builder
 does the same for the image: its deps stage is a layer cached by the same inputs.
 
 ``KVSTACK_VENV_CACHE=0`` builds every time and keeps nothing (as for `make env`).
@@ -92,7 +92,8 @@ def provide(dest: Path, what: str, inputs: Iterable[str | Path], build: Callable
 
 def _prune_others(snap: Path, what: str) -> None:
     """Only the venv of the current inputs stays (an input changed and back builds again, minutes,
-    where keeping the old one costs 3-6 GB of every run's disk); a build in progress (.partial) stays."""
+    where keeping the old one costs 3-6 GB of every run's disk); a build in progress (.partial)
+    stays, as does a longer name that starts like this one's."""
     for old in snap.parent.glob(f"{what}-*"):
         if old != snap and not old.name.endswith(".partial") and old.name[len(what) + 1:].isalnum():
             shutil.rmtree(old, ignore_errors=True)

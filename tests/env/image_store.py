@@ -1,7 +1,7 @@
 """The containers-storage an image test builds in, and the buildah calls it makes there: shared by
 test_image_build.py (the cpu image) and test_image_cuda.py (the cuda image), both with the overlay
-driver (vfs, which works without overlayfs, copies every layer in full: the cpu image's storage peaked at 15 GB
-and kept 10.5 GB between runs that way).
+driver (vfs, which works without overlayfs, copies every layer in full: the cpu image's storage
+peaked at 15 GB and kept 10.5 GB between runs that way).
 
 Each test keeps its images in a storage of its own (`Store(root, driver)`: root/storage.conf, made
 by `Store.open()`), so a run never touches the machine's default storage, and prunes after each
@@ -120,7 +120,7 @@ class Store:
         free = shutil.disk_usage(self.root).free / 1e9
         if free < need_gb:
             pytest.fail(f"{what} needs about {need_gb:.0f} GB of free disk, {free:.1f} GB free on "
-                        f"the disk of {self.root}: not built, so that the other tests keep theirs "
+                        f"the disk of {self.root}: not built, so as not to fill the disk under the other tests "
                         "(docs/testing.md, \"Disk\")", pytrace=False)
         return free
 

@@ -15,11 +15,12 @@ The other bases' images are exercised through their install step (tests/env/test
 on each base); their deps images in this storage (e.g. from `docker_build.sh --deps-only`) are kept.
 
 Everything lives in the test's own containers-storage (/var/lib/kvstack-image-cpu, or
-$KVSTACK_IMAGE_TEST_STORE; overlay driver, via CONTAINERS_STORAGE_CONF): images of earlier runs that the
-new image no longer uses are removed after each build (every base's current deps image is kept). The
-storage the test used before, /var/lib/kvstack-image-test (vfs driver: every layer a full copy, 15 GB at
-its peak, 10.5 GB kept between runs), is removed when found. Builds need root (buildah, mmdebstrap and
-apt-get: missing tools are installed from Debian's packages) and ~10 GB of free disk.
+$KVSTACK_IMAGE_TEST_STORE; overlay driver, via CONTAINERS_STORAGE_CONF): images of earlier runs
+that the new image no longer uses are removed after each build (every base's current deps image is
+kept). The storage the test used before, /var/lib/kvstack-image-test (vfs driver: every layer a
+full copy, 15 GB at its peak, 10.5 GB kept between runs), is removed when found. Builds need root
+(buildah, mmdebstrap and apt-get: missing tools are installed from Debian's packages) and free
+disk: COLD_GB with the deps image to build, WARM_GB without (checked before the build).
 """
 
 from __future__ import annotations
@@ -171,8 +172,8 @@ def image(store):
     if ca_bundle():
         cmd += ["--ca-cert", ca_bundle()]
     cold = not image_exists(IMAGES.deps_tag(BUILD[:-1]))
-    IMAGES.require_free(COLD_GB if cold else WARM_GB,
-                        f"the cpu image's build ({'deps image and all' if cold else 'final stage'})")
+    stage = "deps image and all" if cold else "final stage"
+    IMAGES.require_free(COLD_GB if cold else WARM_GB, f"the cpu image's build ({stage})")
     before = inspect(TAG)["FromImageID"] if image_exists(TAG) else None
     t = time.monotonic()
     res = run(cmd, check=False, timeout=3300, log=OUT / "build-cpu.log")
@@ -302,7 +303,8 @@ def test_a_build_without_the_disk_it_needs_fails_before_it_starts(tmp_path):
     with pytest.raises(pytest.fail.Exception) as err:
         store.require_free(free + 1000, "the cpu image's build (deps image and all)")
     msg = str(err.value)
-    assert msg.startswith(f"the cpu image's build (deps image and all) needs about {free + 1000:.0f} GB")
+    assert msg.startswith(
+        f"the cpu image's build (deps image and all) needs about {free + 1000:.0f} GB")
     assert f"GB free on the disk of {tmp_path}" in msg and '"Disk"' in msg
 
 

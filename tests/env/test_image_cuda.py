@@ -51,8 +51,9 @@ WHEELHOUSE = Path(os.environ.get("KVSTACK_CUDA_WHEELHOUSE",
                                  Path.home() / ".cache" / "kvstack" / "wheels" / f"cuda-{BASE}"))
 BUILD = ["scripts/docker_build.sh", "--builder", "buildah", "--storage-driver", "overlay",
          "--base", BASE, "--target", "cuda"]
-# free disk a build needs: a cold one ~35 GB (the disk went from 42.7 to 82.3 GB used on 2026-11-30,
-# other tests beside it: its 9.8 GB deps image committed, the CUDA wheels beside it); warm: the final stage
+# free disk a build needs: a cold one ~35 GB (the disk went from 42.7 to 82.3 GB used on
+# 2026-11-30, other tests beside it: its 9.8 GB deps image committed, the CUDA wheels beside
+# it); a warm one builds the final stage only
 COLD_GB, WARM_GB = 36, 6
 MAX_BYTES = 12e9  # issue 31: smaller than vllm/vllm-openai of the same vLLM (12-28 GB)
 
@@ -93,8 +94,8 @@ def store():
 def image(store):
     """The cuda image, built (again) now: only the final stage when the deps image is current."""
     cold = not image_exists(IMAGES.deps_tag(build_args()))
-    IMAGES.require_free(COLD_GB if cold else WARM_GB,
-                        f"the cuda image's build ({'deps image and all' if cold else 'final stage'})")
+    stage = "deps image and all" if cold else "final stage"
+    IMAGES.require_free(COLD_GB if cold else WARM_GB, f"the cuda image's build ({stage})")
     t = time.monotonic()
     res = run(["bash", *build_args()], check=False, timeout=3300, log=OUT / "build-cuda.log")
     seconds = round(time.monotonic() - t, 1)

@@ -1,7 +1,7 @@
 """`.ci/run`, CI's entry point: installs the tests' Debian packages where missing
 (scripts/ci_packages.sh, progress on stderr), runs `make test` with CI=1 from the repository root,
-ends with the run's wall time and the free disk before and after, and exits with make's status (a `make` stand-in on PATH: the real
-`make test` is what CI runs around this test)."""
+ends with the run's wall time and the free disk before and after, and exits with make's status
+(a `make` stand-in on PATH: the real `make test` is what CI runs around this test)."""
 
 from __future__ import annotations
 

@@ -78,13 +78,13 @@ def test_another_input_builds_again_and_only_the_current_stays(tmp_path, cache):
     assert len(list(cache.glob("what-*"))) == 1 and len(list(cache.glob("other-*"))) == 1
     # a copy from the cache removes the others of its `what` too, not a build in progress nor a
     # longer name that starts like it
-    for name in ("what-0123456789abcdef", "what-feedfeedfeedfeed.partial", "what-0.32-0123456789abcdef"):
+    others = ("what-0123456789abcdef", "what-feedfeedfeedfeed.partial", "what-0.32-0123456789abcdef")
+    for name in others:
         (cache / name / "venv").mkdir(parents=True)
     line = venv_snapshot.provide(tmp_path / "5", "what", ["other cmd", pins], build)
     assert build.runs == 4 and "copied from" in line
-    assert sorted(p.name for p in cache.glob("what-*")) == sorted(
-        [f"what-{venv_snapshot.key_of('what', ['other cmd', pins])}", "what-feedfeedfeedfeed.partial",
-         "what-0.32-0123456789abcdef"])
+    current = f"what-{venv_snapshot.key_of('what', ['other cmd', pins])}"
+    assert sorted(p.name for p in cache.glob("what-*")) == sorted([current, *others[1:]])
     assert venv_snapshot.key_of("what", ["cmd", pins]) != venv_snapshot.key_of("what", ["cmd2", pins])
 
 
