@@ -93,7 +93,7 @@ def test_other_install_scripts_build_again(bed):
     assert _runs(tmp) == 4
     (snap,) = (tmp / "cache" / "venvs").iterdir()
     # a copy from the cache removes the others too (a cache that held two before this change),
-    # but a build in progress (.partial) and another base's venvs
+    # not a build in progress (.partial) nor another base's venvs
     others = ("0.32-0123456789abcdef", "0.32-feedfeedfeedfeed.partial", "0.25-0123456789abcdef")
     for other in others:
         (tmp / "cache" / "venvs" / other / "venv").mkdir(parents=True)
