@@ -1,13 +1,14 @@
-"""Venvs the tests install from the package index, built once per content hash and copied for each use.
+"""Venvs the tests install from the package index, built once per content hash, copied for each use.
 
 A test that needs a fresh venv with the pinned wheels installed the way a user or the image installs
 them (tests/env/test_own_install.py, tests/env/test_image_install.py) spends minutes of pip on each
-run, for a result that depends only on the install's inputs: the install commands, the pin files, the
-install scripts they run, the interpreter. `provide` keeps that venv in kvstack's cache under the hash
-of those inputs (``$KVSTACK_CACHE/venvs/<what>-<hash>``, only the current one per `what` stays,
-as scripts/venv_cache.sh keeps `make env`'s: 3-6 GB each) and gives each run a copy
-(scripts/venv_copy.sh: its own path rewritten where a venv names it), on which the test then runs its steps. The container builder
-does the same for the image: its deps stage is a layer cached by the same inputs.
+run, for a result that depends only on the install's inputs: the install commands, the pin files,
+the install scripts they run, the interpreter. `provide` keeps that venv in kvstack's cache under
+the hash of those inputs (``$KVSTACK_CACHE/venvs/<what>-<hash>``, only the current one per `what`
+stays, as scripts/venv_cache.sh keeps `make env`'s: 3-6 GB each) and gives each run a copy
+(scripts/venv_copy.sh: its own path rewritten where a venv names it), on which the test then runs
+its steps. The container builder does the same for the image: its deps stage is a layer cached by
+the same inputs.
 
 ``KVSTACK_VENV_CACHE=0`` builds every time and keeps nothing (as for `make env`).
 """
