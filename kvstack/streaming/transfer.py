@@ -256,7 +256,7 @@ class Transfer:
         return sum(t.numel() * t.element_size() for pair in bufs for t in pair)
 
     def windows(self, k_pool: torch.Tensor, v_pool: torch.Tensor, pages: list[int], ctx: int,
-                window: int, dtype: torch.dtype | None = None
+                window: int, dtype: torch.dtype | None = None, cache: dict | None = None
                 ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
         """(start, K, V) of each window [start, min(start + window, ctx)) of a request's history
         (pages: the request's page list), K/V on the device as [tokens, H, D]: the next window is
@@ -264,12 +264,20 @@ class Transfer:
         compute stream) when it asks for the next one. `dtype`: the staging buffers' (the copies
         convert; default `Medium.staging_dtype`). Where the medium shares the pools' memory
         (`Medium.zero_copy`) and `dtype` is the pools', a window whose pages are one run is a view
-        of the pools, nothing copied."""
+        of the pools, nothing copied. ``cache``: where the request's page runs and each window's
+        gather index are kept for the next layer of the same step (the worker's `_Batch`: the
+        same pages in every layer of a group), so that they are made once per step, not per
+        layer (a 1M-token history is 32K pages to walk in Python)."""
         if ctx <= 0:
             return
         P = k_pool.shape[1]
-        runs = page_runs(pages[:(ctx - 1) // P + 1])  # once, cut per window
-        runs = (runs, [r[0] for r in runs])
+        runs_key = (P, ctx, window)
+        runs = cache.get(runs_key) if cache is not None else None
+        if runs is None:
+            runs = page_runs(pages[:(ctx - 1) // P + 1])  # once, cut per window
+            runs = (runs, [r[0] for r in runs])
+            if cache is not None:
+                cache[runs_key] = runs
         # the pools as token rows (a view): a run of pages is one slice of them
         pools = (k_pool.view(-1, *k_pool.shape[2:]), v_pool.view(-1, *v_pool.shape[2:]))
         share = self.medium.zero_copy(k_pool, dtype)
@@ -288,7 +296,8 @@ class Transfer:
             if not staged:
                 staged.append(self._buffers(k_pool, staging_tokens(window, P), dtype))
             key, bufs = staged[0]
-            k, v, ready = self._load(pools, P, runs, start, end, bufs[i % 2], key, i % 2)
+            k, v, ready = self._load(pools, P, runs, start, end, bufs[i % 2], key, i % 2,
+                                     cache, (*runs_key, i))
             return (start, k, v), ready, key
 
         yield from self._double_buffered(-(-ctx // window), window_at)
@@ -388,10 +397,12 @@ class Transfer:
             if key is not None:
                 self._consumed[key][i % 2] = m.compute_event()
 
-    def _load(self, pools, P, runs, start, end, buf, key, which):
+    def _load(self, pools, P, runs, start, end, buf, key, which, index_cache=None,
+              cache_key=None):
         """Tokens [start, end) of the request into staging buffer `which` of `key`: one copy per
         run of consecutive pages (`pools`: the K and V pools as token rows, `P` tokens a page;
-        `runs`: the request's page runs and their first indices), on the copy stream, after the
+        `runs`: the request's page runs and their first indices), or one gather where there are
+        many (its index kept in ``index_cache[cache_key]``), on the copy stream, after the
         compute stream is done with the buffer."""
         first, last = start // P, (end - 1) // P
         (bk, bv), (kf, vf) = buf, pools
@@ -399,7 +410,8 @@ class Transfer:
         with m.on_copy_stream():
             m.copy_waits(self._consumed[key][which])
             self._copy_runs(bk, bv, kf, vf, [(page * P, idx * P, n * P) for idx, page, n
-                                             in clip_runs(runs[0], first, last, runs[1])])
+                                             in clip_runs(runs[0], first, last, runs[1])],
+                            index_cache, cache_key)
             ready = m.copy_event()
         self.windows_loaded += 1
         off = start - first * P
@@ -437,12 +449,14 @@ class PagedHistory:
     through `transfer` (page runs into staging buffers on the attention's device)."""
 
     def __init__(self, transfer: Transfer, k_pool: torch.Tensor, v_pool: torch.Tensor,
-                 pages: list[int]):
+                 pages: list[int], cache: dict | None = None):
         self.transfer, self.k_pool, self.v_pool, self.pages = transfer, k_pool, v_pool, pages
+        self.cache = cache  # the request's runs and gather indexes of this step (Transfer.windows)
 
     def windows(self, ctx: int, window: int, dtype: torch.dtype | None = None
                 ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
-        return self.transfer.windows(self.k_pool, self.v_pool, self.pages, ctx, window, dtype)
+        return self.transfer.windows(self.k_pool, self.v_pool, self.pages, ctx, window, dtype,
+                                     self.cache)
 
     def append(self, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """The new tokens' K/V [start, start + len(k)) into the pools (Transfer.write_back)."""

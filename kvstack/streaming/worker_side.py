@@ -245,11 +245,12 @@ class _WorkerSide:
                 packed_attention(query, key, value, batch.segments, kp, vp, transfer, window,
                                  scale, output, step=batch.packed_plan(window, kp.shape[1]))
             else:
-                for a, b, r in batch.segments:
-                    # the new K/V reach the pools through the history (PagedHistory.append)
+                for j, (a, b, r) in enumerate(batch.segments):
+                    # the new K/V reach the pools through the history (PagedHistory.append); its
+                    # page runs and gather indexes are made by the group's first layer
                     windowed_attention(query[a:b], key[a:b], value[a:b],
-                                       PagedHistory(transfer, kp, vp, r.pages), r.start, window,
-                                       scale, out=output[a:b], features=features)
+                                       PagedHistory(transfer, kp, vp, r.pages, batch.history(j)),
+                                       r.start, window, scale, out=output[a:b], features=features)
             if self._probe is not None:
                 self._probe_end(base, batch.num_tokens)
         if batch.num_tokens < output.shape[0]:
@@ -259,14 +260,23 @@ class _WorkerSide:
 
 class _Batch:
     """A step's batch as a streaming group sees it: (first row, end row, request) per request,
-    the rows in use, for the in-place CPU path the kernel's view of it, and for packed windows
-    their plan per window size (made at the group's first layer, used by every layer)."""
+    the rows in use, for the in-place CPU path the kernel's view of it, for packed windows
+    their plan per window size, and per request what its windows' loads reuse (made at the
+    group's first layer, used by every layer)."""
 
     def __init__(self, segments: list[tuple[int, int, ReqStep]], num_tokens: int):
         self.segments = segments
         self.num_tokens = num_tokens
         self.kernel: cpu_native.KernelBatch | None = None
         self._plans: dict[tuple[int, int], StepPlan] = {}
+        self._histories: dict[int, dict] = {}
+
+    def history(self, j: int) -> dict:
+        """Request j's cache for `Transfer.windows` (its page runs, its windows' gather indexes)."""
+        got = self._histories.get(j)
+        if got is None:
+            got = self._histories[j] = {}
+        return got
 
     def packed_plan(self, window: int, page_tokens: int) -> StepPlan:
         plan = self._plans.get((window, page_tokens))

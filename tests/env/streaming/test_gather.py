@@ -143,6 +143,47 @@ def test_a_step_builds_each_window_gather_index_once_for_all_layers(monkeypatch)
     assert len(built) == 2 * len(step.windows)
 
 
+def test_a_request_s_runs_and_gather_indexes_are_made_once_per_step_for_all_layers(monkeypatch):
+    """One request alone (the windowed path without packing), its pages scattered: two layers of
+    one step with one history cache (the worker's `_Batch.history`) walk its pages and build
+    each window's gather index once, the second layer's output that of the first and of
+    attention over the whole history. Control: without the cache every layer makes them again."""
+    from kvstack.streaming import transfer
+    from kvstack.streaming.transfer import PagedHistory
+    from kvstack.streaming.windowed import windowed_attention
+    from test_windowed import reference
+
+    store, pages, ctx, k, v = _scattered(dtype=torch.float32)
+    hq, (hkv, d) = 4, k.shape[1:]
+    torch.manual_seed(5)
+    q, nk, nv = torch.randn(1, hq, d), torch.randn(1, hkv, d), torch.randn(1, hkv, d)
+    pools = (store.k["L"].clone(), store.v["L"].clone())  # the layers' pools before the step
+    built, walked = [], []
+    real_rows, real_runs = gather.run_rows, transfer.page_runs
+    monkeypatch.setattr(gather, "run_rows", lambda runs: built.append(len(runs)) or real_rows(runs))
+    monkeypatch.setattr(transfer, "page_runs", lambda p: walked.append(len(p)) or real_runs(p))
+
+    def layers(cache_of):
+        outs = []
+        for _ in range(2):
+            t = Transfer(Medium(torch.device("cpu")))
+            h = PagedHistory(t, pools[0].clone(), pools[1].clone(), pages, cache_of())
+            outs.append(windowed_attention(q, nk, nv, h, ctx, 64, d ** -0.5))
+            assert t.gathers == t.windows_loaded == -(-(ctx + 1) // 64)
+        return outs
+
+    step: dict = {}
+    first, second = layers(lambda: step)
+    assert torch.equal(first, second)
+    want = reference(q, torch.cat([k, nk]), torch.cat([v, nv]), d ** -0.5, ctx)
+    torch.testing.assert_close(first.double(), want, atol=2e-5, rtol=2e-5)
+    windows = -(-(ctx + 1) // 64)
+    assert len(walked) == 1 and len(built) == windows and len(step) == windows + 1
+    built.clear(), walked.clear()
+    assert torch.equal(layers(lambda: None)[1], second)
+    assert len(walked) == 2 and len(built) == 2 * windows
+
+
 def test_an_asynchronous_medium_without_a_kernel_copies_run_by_run():
     from test_transfer import DeferredMedium
 

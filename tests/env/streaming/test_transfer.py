@@ -346,3 +346,45 @@ def test_the_connectors_step_path_never_pins_nor_blocks(monkeypatch):
     assert t.windows_loaded == 5 and m.issued == t.copies > 0
     m.sync_writes()
     assert m.landed == m.issued  # every copy was asynchronous and is done once synced
+
+
+def test_the_worker_walks_a_requests_pages_once_per_step_for_all_layers(monkeypatch):
+    """Two streaming layers of one group, one request (the windowed path without packing): a
+    decode step walks the request's pages into runs once, at the first layer (`_Batch.history`,
+    which Transfer.windows keeps them in), and both layers equal full attention. Control: a cache
+    per layer call (as before) walks them once per layer."""
+    from kvstack.streaming import transfer, worker_side
+    from kvstack.streaming.layout import ReqStep, StreamingMetadata
+
+    walked = []
+    real = transfer.page_runs
+    monkeypatch.setattr(transfer, "page_runs", lambda p: walked.append(len(p)) or real(p))
+    torch.manual_seed(2)
+    total = 90
+    pages = [30, 2, 17, 5, 25, 11, 8, 19, 0, 27, 14, 22]  # every page apart
+    layers = {n: SimpleNamespace(layer_name=n, impl=SimpleNamespace(scale=0.3)) for n in "AB"}
+    qkv = {n: (torch.randn(total, 4, 32), torch.randn(total, 2, 32), torch.randn(total, 2, 32))
+           for n in layers}
+
+    def decode_walks():
+        ws, _ = _worker(Medium(torch.device("cpu")), layers=tuple(layers))
+        for start, n, new_pages, known in ((0, total - 1, pages, 0), (total - 1, 1, [], 12)):
+            ws.begin_step(StreamingMetadata(reqs=[ReqStep("r", start, n, anchor_slot=500 + start,
+                                                          new_pages=new_pages, known_pages=known)]))
+            md = SimpleNamespace(query_start_loc=torch.tensor([0, n]),
+                                 slot_mapping=torch.arange(500 + start, 500 + start + n))
+            walked.clear()
+            for name, layer in layers.items():
+                q, k, v = qkv[name]
+                out = torch.empty(n, 4, 32)
+                ws.attention(layer, q[start:start + n], k[start:start + n], v[start:start + n],
+                             out, md)
+                if start:  # the decode token over the whole history
+                    torch.testing.assert_close(out.double(), reference(q[start:], k, v, 0.3, start),
+                                               atol=2e-5, rtol=2e-5)
+            ws.end_step()
+        return len(walked)
+
+    assert decode_walks() == 1
+    monkeypatch.setattr(worker_side._Batch, "history", lambda self, j: {})
+    assert decode_walks() == 2
