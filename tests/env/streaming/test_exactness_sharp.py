@@ -183,9 +183,11 @@ def test_broken_host_tier_read_is_detected(streaming, native, monkeypatch):
     if streaming.kvstack_path.startswith("windowed"):
         real_windows = Transfer.windows  # a request's windows as the attention gets them
 
-        def windows_losing_page_0(self, k_pool, v_pool, pages, ctx, window, dtype=None):
+        def windows_losing_page_0(self, k_pool, v_pool, pages, ctx, window, dtype=None,
+                                  cache=None):
             P = k_pool.shape[1]
-            for start, k, v in real_windows(self, k_pool, v_pool, pages, ctx, window, dtype):
+            for start, k, v in real_windows(self, k_pool, v_pool, pages, ctx, window, dtype,
+                                            cache):
                 lost = max(0, min(start + k.shape[0], P) - start)
                 if lost:
                     calls.append((start, ctx))
